@@ -1,0 +1,59 @@
+// fp4moe/bench.hpp — measuring the layer against its floor (DESIGN.md §5).
+//
+//   Ceilings c = measure_ceilings();                  // copy bandwidth, bf16 GEMM rate, this GPU, now
+//   auto rows = bench_model("deepseek-r1", preset("deepseek-r1", mode), {1, 8, 64}, c, opts);
+//
+// Layer time: CUDA-graph replays of one forward (captured per T), each replay timed with events and
+// preceded by an L2 flush so that weights come from HBM; median and min over `reps` replays after
+// `warmup`. Stage times come from a separate instrumented (non-graph) run.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "fp4moe/problem.hpp"
+
+namespace fp4moe {
+
+struct Ceilings {
+  double copy_tbps = 0;    // device-to-device copy, bytes read + written per second / 1e12
+  double bf16_tflops = 0;  // cuBLAS bf16 GEMM 8192^3, fp32 accumulation
+  std::string gpu_name;
+  int sm_count = 0;
+};
+Ceilings measure_ceilings();
+
+struct BenchOptions {
+  int warmup = 5;
+  int reps = 30;   // >= 20
+  uint64_t seed = 1;
+};
+
+struct StageTimes {
+  double route_us = 0, permute_us = 0, quantize_us = 0, gemm1_us = 0, gemm2_us = 0, finalize_us = 0;
+};
+
+struct BenchRow {
+  std::string model;
+  ActQuant mode = ActQuant::W4A16;
+  int64_t tokens = 0;
+  int64_t experts_hit = 0;    // from the routing of this run
+  double median_us = 0, min_us = 0;
+  double weight_bytes = 0;    // FP4 weights + e4m3 scales of the experts hit
+  double bytes = 0;           // weight_bytes + activations in and out
+  double flops = 0;           // 2 * T * k * (w13_rows * H + H * I)
+  double floor_us = 0;        // max(bytes / copy rate, flops / bf16 rate)
+  double pct_of_floor = 0;    // 100 * floor / median
+  double tflops = 0;          // flops / median
+  double weight_tbps = 0;     // weight_bytes / median
+  StageTimes stages;
+};
+
+// One runner per model (prepared once with random NVFP4 weights), one row per token count.
+// progress: when true, one line per row on stderr.
+std::vector<BenchRow> bench_model(const std::string& model, const MoeProblem& problem,
+                                  const std::vector<int64_t>& tokens, const Ceilings& ceilings,
+                                  const BenchOptions& options, bool progress = true);
+
+}  // namespace fp4moe

@@ -1,0 +1,57 @@
+// fp4moe/case_file.hpp — the case-file interface of DESIGN.md §3 (`fp4moe run --case`).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "fp4moe/problem.hpp"
+#include "fp4moe/reference.hpp"
+
+namespace fp4moe::io {
+
+// A whole MoE layer invocation, owned in host memory.
+struct MoeCase {
+  MoeProblem problem;
+  int64_t num_tokens = 0;
+  std::vector<uint16_t> hidden_states;  // [T, H] bf16 bits
+  std::vector<float> router_logits;     // [T, E] (bf16 logits are widened on load); empty with precomputed
+  bool router_logits_bf16 = false;      // dtype the file had
+  std::vector<float> routing_bias;      // [E] or empty
+  std::vector<int32_t> topk_ids;        // [T, k] precomputed only
+  std::vector<float> topk_weights;      // [T, k] precomputed only
+  std::vector<uint8_t> w13, w13_scale;  // [E, w13_rows, H/2], [E, w13_rows, H/16]
+  std::vector<float> w13_scale_2, w13_input_scale;  // [E]
+  std::vector<uint8_t> w2, w2_scale;    // [E, H, I/2], [E, H, I/16]
+  std::vector<float> w2_scale_2, w2_input_scale;    // [E]
+
+  reference::MoeWeights weights() const;      // views into this case
+  reference::RouterInput router() const;      // views into this case
+};
+
+// Reads and checks a case file: every tensor's presence, dtype and shape against the metadata, and
+// the metadata values themselves. Throws fp4moe::Error naming the tensor or key.
+MoeCase load_case(const std::string& path);
+void save_case(const std::string& path, const MoeCase& c);
+
+// OUT file: `output` bf16 [T,H], `topk_ids` i32 [T,k], `topk_weights` f32 [T,k].
+void save_result(const std::string& path, const MoeProblem& problem, int64_t num_tokens,
+                 const reference::MoeResult& result);
+reference::MoeResult load_result(const std::string& path);
+
+// A random case (weights drawn as bf16-like normals and quantized with format/), for tests and demo.
+struct RandomCaseOptions {
+  uint64_t seed = 1;
+  float weight_std = 0.02f;
+  float hidden_std = 1.0f;
+};
+MoeCase make_random_case(const MoeProblem& problem, int64_t num_tokens,
+                         const RandomCaseOptions& opts = {},
+                         std::vector<float>* w13_fp32 = nullptr, std::vector<float>* w2_fp32 = nullptr);
+
+// A random case with FP4 codes and e4m3 block scales drawn directly instead of quantized from
+// fp32 weights: cheap for presets with GBs of weights (tests, benchmarks). Weight values
+// q * sf * scale_2 have an RMS of about 0.02; input scales follow the data (amax / (6 * 448)).
+MoeCase make_random_packed_case(const MoeProblem& problem, int64_t num_tokens, uint64_t seed);
+
+}  // namespace fp4moe::io

@@ -1,0 +1,81 @@
+// fp4moe/problem.hpp — the MoE problem as plain, printable structs (DESIGN.md §1, §3, §4).
+//
+// The problem says WHAT is computed (shapes, routing, activation, quantization mode). How it is
+// computed (tiles, stages, kernel family) is a tactic and lives elsewhere.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+namespace fp4moe {
+
+// Routing methods of DESIGN.md §4, by their snake_case names.
+enum class RoutingMethod {
+  Default,           // softmax over E, top-k, no renormalisation
+  Renormalize,       // top-k on logits, softmax over the k
+  RenormalizeNaive,  // softmax, top-k, divide by the sum of the k
+  TopK,              // top-k on logits, weights = raw logits
+  Sigmoid,           // sigmoid, top-k
+  SigmoidRenorm,     // sigmoid, top-k, w / max(sum w, 1e-20)
+  TopKSigmoid,       // top-k on logits, then sigmoid
+  Llama4,            // top-1 on logits, weight sigmoid
+  DeepSeekV3,        // grouped sigmoid routing with bias and routed scaling factor
+  Precomputed,       // the caller gives ids and weights
+};
+
+enum class Activation {
+  SwiGLU,     // silu(g) * u
+  GeGLU,      // gelu_erf(g) * u
+  SwiGLUOai,  // gpt-oss: g' = min(g, L), u' = clamp(u, -L, L), g' * sigmoid(alpha g') * (u' + beta)
+  Relu2,      // max(h, 0)^2, not gated: w13 has I rows
+};
+
+enum class ActQuant {
+  W4A16,          // activations stay bf16
+  W4A4Scalar,     // tokens quantized once with max_e w13_input_scale[e]
+  W4A4PerExpert,  // each expert quantizes its tokens with its own w13_input_scale[e]
+};
+
+std::string_view to_string(RoutingMethod m);
+std::string_view to_string(Activation a);
+std::string_view to_string(ActQuant q);
+// Parse a snake_case name; throws fp4moe::Error naming `what` and the accepted names.
+RoutingMethod parse_routing_method(std::string_view name, std::string_view what = "routing_method");
+Activation parse_activation(std::string_view name, std::string_view what = "activation");
+ActQuant parse_act_quant(std::string_view name, std::string_view what = "act_quant");
+
+struct RoutingParams {
+  RoutingMethod method = RoutingMethod::Renormalize;
+  int top_k = 1;
+  int n_group = 1;                     // DeepSeekV3: number of expert groups (1 = no group selection)
+  int topk_group = 1;                  // DeepSeekV3: groups kept
+  float routed_scaling_factor = 1.0f;  // DeepSeekV3
+  bool apply_router_weight_on_input = false;  // k = 1 only (Llama-4)
+};
+
+struct ActivationParams {
+  Activation kind = Activation::SwiGLU;
+  float swiglu_alpha = 1.702f;  // SwiGLUOai only
+  float swiglu_beta = 1.0f;     // SwiGLUOai only
+  float swiglu_limit = 7.0f;    // SwiGLUOai only
+};
+
+struct MoeProblem {
+  int64_t num_experts = 0;  // E
+  int64_t hidden = 0;       // H (K of GEMM1, N of GEMM2)
+  int64_t inter = 0;        // I (per-expert intermediate size)
+  RoutingParams routing;
+  ActivationParams activation;
+  ActQuant act_quant = ActQuant::W4A16;
+
+  int top_k() const { return routing.top_k; }
+  bool gated() const { return activation.kind != Activation::Relu2; }
+  int64_t w13_rows() const { return gated() ? 2 * inter : inter; }  // rows of w13 per expert
+  // Throws fp4moe::Error naming the first inconsistent field (sizes, k > E, groups, scales, ...).
+  void validate() const;
+  // One line, e.g. "E=256 H=7168 I=2048 k=8 routing=deepseek_v3(n_group=8,topk_group=4,scale=2.5) act=swiglu quant=w4a4_scalar"
+  std::string describe() const;
+};
+
+}  // namespace fp4moe

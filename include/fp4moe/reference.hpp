@@ -1,0 +1,74 @@
+// fp4moe/reference.hpp — the CPU oracle of DESIGN.md §1 and §4.
+//
+// Exact to the numerics contract up to fp32 summation order: every GPU kernel is tested against it,
+// and `fp4moe run --device cpu` runs it. All tensors are host memory, row-major, dense.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "fp4moe/problem.hpp"
+
+namespace fp4moe::reference {
+
+// ---- routing (DESIGN.md §4) -----------------------------------------------------------------------
+struct Routing {
+  std::vector<int32_t> ids;    // [T, k] expert ids, slots in descending score order (ties: lower id)
+  std::vector<float> weights;  // [T, k] routing weights (before apply_router_weight_on_input)
+};
+
+// logits [T, E] fp32 (bf16 logits are widened by the caller); bias [E] or nullptr (DeepSeekV3 only).
+// Throws fp4moe::Error for Precomputed (there is nothing to compute) and on inconsistent params.
+Routing route(const RoutingParams& params, int64_t num_tokens, int64_t num_experts,
+              const float* logits, const float* bias);
+
+// ---- activation (DESIGN.md §1 step 4), fp32 -------------------------------------------------------
+// For gated activations `gate` and `up` are the two halves; for Relu2 `up` is ignored.
+float apply_activation(const ActivationParams& act, float gate, float up);
+
+// ---- the layer ------------------------------------------------------------------------------------
+// Quantized weights in the canonical layout of DESIGN.md §3 (linear scales).
+struct MoeWeights {
+  const uint8_t* w13 = nullptr;            // [E, w13_rows, H/2]  e2m1 pairs
+  const uint8_t* w13_scale = nullptr;      // [E, w13_rows, H/16] e4m3
+  const float* w13_scale_2 = nullptr;      // [E]
+  const float* w13_input_scale = nullptr;  // [E]
+  const uint8_t* w2 = nullptr;             // [E, H, I/2]
+  const uint8_t* w2_scale = nullptr;       // [E, H, I/16]
+  const float* w2_scale_2 = nullptr;       // [E]
+  const float* w2_input_scale = nullptr;   // [E]
+};
+
+// The router input: either logits (+ optional bias) or precomputed ids and weights.
+struct RouterInput {
+  const float* logits = nullptr;        // [T, E] fp32, or nullptr with Precomputed
+  const float* bias = nullptr;          // [E] or nullptr
+  const int32_t* topk_ids = nullptr;    // [T, k] with Precomputed
+  const float* topk_weights = nullptr;  // [T, k] with Precomputed
+};
+
+struct MoeResult {
+  std::vector<uint16_t> output;       // [T, H] bf16 bits
+  std::vector<int32_t> topk_ids;      // [T, k]
+  std::vector<float> topk_weights;    // [T, k]
+};
+
+// Intermediates, for stage-by-stage GPU tests. Indexed by the (token, slot) pair t*k + j.
+struct MoeTrace {
+  std::vector<float> gemm1_input;  // [T*k, H] the GEMM1 A operand as values: bf16 x (w4a16) or q*sf (w4a4)
+  std::vector<float> act_out;      // [T*k, I] GEMM2 A operand as values: bf16(act) (w4a16) or q*sf (w4a4)
+  std::vector<float> gemm2_out;    // [T*k, H] y = alpha2 * (act_out . w2^T), fp32
+};
+
+// hidden [T, H] bf16 bits. Checks every argument (throws fp4moe::Error). Multi-threaded over tokens.
+MoeResult moe_forward(const MoeProblem& problem, int64_t num_tokens, const uint16_t* hidden,
+                      const RouterInput& router, const MoeWeights& weights,
+                      MoeTrace* trace = nullptr);
+
+// The same layer in fp32 with unquantized weights (w13 [E, w13_rows, H], w2 [E, H, I] fp32) and no
+// activation quantization: the accuracy yardstick of `fp4moe demo`. Routing as given.
+std::vector<float> moe_forward_fp32(const MoeProblem& problem, int64_t num_tokens,
+                                    const uint16_t* hidden, const Routing& routing,
+                                    const float* w13, const float* w2);
+
+}  // namespace fp4moe::reference

@@ -1,0 +1,97 @@
+// fp4moe/runner.hpp — MoeRunner: the NVFP4 MoE layer on a Hopper GPU (sm_90a).
+//
+//   auto runner = MoeRunner::create(problem, max_tokens);      // checks the problem
+//   runner->prepare_weights(host_weights, options);            // once: upload + convert layouts
+//   size_t ws = runner->workspace_size(max_tokens);            // caller allocates ws bytes of device memory
+//   runner->forward(stream, args);                             // no host sync, no allocation, graph-capturable
+//
+// CUDA graphs: kernel grids depend on the token count T given on the host, so a captured graph is
+// valid for the T it was captured with; capture one graph per T (or per padded bucket of T) and
+// replay it. Everything a forward touches lives in the prepared weights, the caller's tensors and
+// the caller's workspace, so replays need no re-preparation.
+//
+// This header needs no CUDA headers: streams are passed as CUstream_st* (cudaStream_t).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "fp4moe/case_file.hpp"
+#include "fp4moe/error.hpp"
+#include "fp4moe/problem.hpp"
+#include "fp4moe/reference.hpp"
+
+struct CUstream_st;
+struct CUevent_st;
+
+namespace fp4moe {
+
+struct WeightPrepOptions {
+  bool scales_swizzled = false;  // w13_scale / w2_scale given in the 128x4-swizzled layout
+  bool w13_up_gate = false;      // w13 rows given as [up; gate] (FlashInfer order) instead of [gate; up]
+};
+
+enum class LogitsDType { F32, BF16 };
+
+// Device pointers, row-major. Outputs are fully written by forward.
+struct ForwardArgs {
+  int64_t num_tokens = 0;                 // T, 0 <= T <= max_tokens
+  const void* hidden = nullptr;           // [T, H] bf16
+  const void* router_logits = nullptr;    // [T, E] (forward only)
+  LogitsDType logits_dtype = LogitsDType::F32;
+  const float* routing_bias = nullptr;    // [E] f32 or nullptr (DeepSeekV3)
+  int32_t* topk_ids = nullptr;            // [T, k] out of forward, in for forward_routed
+  float* topk_weights = nullptr;          // [T, k] out of forward, in for forward_routed
+  void* output = nullptr;                 // [T, H] bf16
+  void* workspace = nullptr;              // workspace_size(max_tokens) bytes, 256-byte aligned
+  size_t workspace_bytes = 0;
+};
+
+class MoeRunner {
+ public:
+  static constexpr int kForwardStages = 6;  // route, permute, gather_quantize, gemm1_act, gemm2, finalize
+
+  // Throws fp4moe::Error when the problem is invalid or no suitable GPU is present.
+  static std::unique_ptr<MoeRunner> create(const MoeProblem& problem, int64_t max_tokens,
+                                           int device = -1);
+  virtual ~MoeRunner() = default;
+
+  const MoeProblem& problem() const { return problem_; }
+  int64_t max_tokens() const { return max_tokens_; }
+
+  // Host weights in the canonical layout of DESIGN.md §3 (see reference::MoeWeights). Allocates and
+  // uploads; not part of the forward path.
+  virtual Status prepare_weights(const reference::MoeWeights& weights,
+                                 const WeightPrepOptions& options = {}) = 0;
+  virtual size_t workspace_size(int64_t max_tokens) const = 0;
+
+  // Routing from logits, then the layer. Arguments are checked before any launch.
+  virtual Status forward(CUstream_st* stream, const ForwardArgs& args) = 0;
+  // The layer from precomputed topk_ids / topk_weights (expert ids are range-checked on the device:
+  // an out-of-range id makes the forward report an error through the next status check).
+  virtual Status forward_routed(CUstream_st* stream, const ForwardArgs& args) = 0;
+
+  // Diagnostics (benchmarks): forward (routed=false) or forward_routed (routed=true) that records
+  // marks[0] before the first launch and marks[1..6] after the stages route, permute,
+  // gather_quantize, gemm1_act, gemm2, finalize (marks[1] right after marks[0] when routed).
+  virtual Status forward_marked(CUstream_st* stream, const ForwardArgs& args, bool routed,
+                                CUevent_st* const marks[kForwardStages + 1]) = 0;
+
+ protected:
+  MoeRunner(const MoeProblem& p, int64_t max_tokens) : problem_(p), max_tokens_(max_tokens) {}
+  MoeProblem problem_;
+  int64_t max_tokens_;
+};
+
+// Convenience for tools and tests (not a serving path): runs a host-memory case through a MoeRunner
+// on the current device — allocates, uploads, runs forward or forward_routed, downloads, synchronises.
+// When ms is non-null, the layer is also timed (CUDA events around 10 forwards after a warm-up) and the
+// mean milliseconds per forward are stored there. Throws fp4moe::Error on any failure.
+reference::MoeResult run_case_on_gpu(const io::MoeCase& c, double* ms = nullptr);
+
+// True when a CUDA device of compute capability 9.0 is visible and the library was built with CUDA.
+bool cuda_device_available(std::string* why_not = nullptr);
+
+}  // namespace fp4moe

@@ -1,0 +1,142 @@
+// kernels/launch.hpp — host-side launchers of the CUDA kernels (private to the library).
+//
+// Data flow of one MoE forward (T tokens, k slots, "entry" = token-slot pair t*k + j, "row" = an
+// entry's position in expert-major permuted order):
+//
+//   route_topk            logits [T,E] (f32|bf16), bias [E]     -> topk_ids [T,k] i32, topk_weights [T,k] f32
+//   permute_build         topk_ids [T,k]                        -> expert_offsets [E+1], row_to_entry [T*k],
+//                                                                  entry_to_row [T*k], GEMM tile table
+//   gather_quantize       hidden [T,H] bf16, row_to_entry       -> a1 [T*k,H] bf16 (GEMM1 A operand values:
+//                                                                  x for w4a16, q*sf for w4a4)
+//   gemm1_act             a1, w13 fp4 + e4m3, alpha1 [E]        -> act [T*k,I] bf16 (bf16(act) for w4a16,
+//                                                                  q*sf of its NVFP4 re-quantization for w4a4)
+//   gemm2                 act, w2 fp4 + e4m3, alpha2 [E]        -> y [T*k,H] f32, row r stored at entry row_to_entry[r]
+//   finalize              y, topk_weights                        -> out [T,H] bf16 (fp32 sum in slot order)
+//   quantize_nvfp4        bf16 [T,H] -> packed e2m1 [T,H/2] + e4m3 scales (linear or 128x4 swizzled)
+//
+// All pointers are device pointers. Every launcher checks its launch and returns cudaSuccess or the
+// CUDA error; none synchronises or allocates.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "fp4moe/problem.hpp"
+
+namespace fp4moe::kernels {
+
+// ---- routing --------------------------------------------------------------------------------------
+struct RouteArgs {
+  const void* logits = nullptr;  // [T, E]
+  bool logits_bf16 = false;      // false: fp32
+  const float* bias = nullptr;   // [E] or nullptr (DeepSeekV3)
+  int num_tokens = 0;
+  int num_experts = 0;
+  RoutingParams params;          // method != Precomputed
+  int32_t* topk_ids = nullptr;   // [T, k]
+  float* topk_weights = nullptr; // [T, k]
+};
+cudaError_t launch_route(const RouteArgs& args, cudaStream_t stream);
+
+// ---- permutation ----------------------------------------------------------------------------------
+// Expert-major, stable (within an expert, rows ascend by entry index t*k+j), computed on the device.
+// The tile table lists the GEMM row tiles: tile i covers rows [tile_row_start[i], +tile_rows) of
+// expert tile_expert[i], clipped to the expert's end. *num_tiles is written on the device; at most
+// max_tiles(T*k, E, tile_rows) tiles exist.
+struct PermuteArgs {
+  const int32_t* topk_ids = nullptr;  // [T, k]
+  int num_tokens = 0;
+  int top_k = 0;
+  int num_experts = 0;
+  int tile_rows = 0;                  // GEMM row-tile size the table is built for
+  int32_t* expert_offsets = nullptr;  // [E + 1]
+  int32_t* row_to_entry = nullptr;    // [T*k]
+  int32_t* entry_to_row = nullptr;    // [T*k]
+  int32_t* tile_expert = nullptr;     // [max_tiles]
+  int32_t* tile_row_start = nullptr;  // [max_tiles]
+  int32_t* num_tiles = nullptr;       // [1]
+  void* scratch = nullptr;            // permute_scratch_bytes(T*k, E) bytes
+};
+inline int64_t max_tiles(int64_t num_entries, int64_t num_experts, int64_t tile_rows) {
+  return (num_entries + tile_rows - 1) / tile_rows + (num_entries < num_experts ? num_entries : num_experts);
+}
+size_t permute_scratch_bytes(int64_t num_entries, int64_t num_experts);
+cudaError_t launch_permute(const PermuteArgs& args, cudaStream_t stream);
+
+// ---- activation quantization ----------------------------------------------------------------------
+enum class ScaleLayout { Linear, Swizzled128x4 };
+// x [rows, cols] bf16 -> packed [rows, cols/2], scales [rows, cols/16] (linear) or swizzled
+// (format::swizzled_scales_size(1, rows, cols/16) bytes, padding written as zero).
+// input_scale: device pointer to one fp32 (dequant direction).
+cudaError_t launch_quantize_nvfp4(const __nv_bfloat16* x, int64_t rows, int64_t cols,
+                                  const float* input_scale, uint8_t* packed, uint8_t* scales,
+                                  ScaleLayout layout, cudaStream_t stream);
+
+// GEMM1 A operand, permuted: a1[r] = values of token t = row_to_entry[r] / k.
+//   w4a16:            bf16 x[t] (times bf16(w) first when scale_by_weight)
+//   w4a4_scalar:      q*sf of NVFP4(x[t], input_scale[0])
+//   w4a4_per_expert:  q*sf of NVFP4(x[t], input_scale[e]) with e the row's expert
+struct GatherArgs {
+  const __nv_bfloat16* hidden = nullptr;  // [T, H]
+  const int32_t* row_to_entry = nullptr;  // [T*k]
+  const int32_t* topk_ids = nullptr;      // [T, k] (the row's expert)
+  const float* topk_weights = nullptr;    // [T, k] (scale_by_weight)
+  const float* input_scale = nullptr;     // [1] scalar mode, [E] per-expert mode, unused in w4a16
+  int num_tokens = 0;
+  int top_k = 0;
+  int hidden_size = 0;
+  ActQuant mode = ActQuant::W4A16;
+  bool scale_by_weight = false;           // apply_router_weight_on_input: x' = bf16(x * bf16(w))
+  __nv_bfloat16* a1 = nullptr;            // [T*k, H]
+};
+cudaError_t launch_gather_quantize(const GatherArgs& args, cudaStream_t stream);
+
+// ---- expert GEMMs ---------------------------------------------------------------------------------
+// Shared by GEMM1 and GEMM2: rows of expert e are [expert_offsets[e], expert_offsets[e+1]).
+struct ExpertGemmArgs {
+  const __nv_bfloat16* a = nullptr;       // [T*k, K] permuted activations (exact bf16 values)
+  const uint8_t* w = nullptr;             // [E, N, K/2] e2m1 pairs, prepared layout (see prepare)
+  const uint8_t* w_scale = nullptr;       // [E, N, K/16] e4m3, prepared layout
+  const float* alpha = nullptr;           // [E] global scale for the epilogue
+  const int32_t* expert_offsets = nullptr;// [E+1]
+  const int32_t* tile_expert = nullptr;   // tile table from launch_permute (built with gemm_tile_rows())
+  const int32_t* tile_row_start = nullptr;
+  const int32_t* num_tiles = nullptr;
+  int64_t max_tiles = 0;                  // grid bound, max_tiles(T*k, E, gemm_tile_rows())
+  int num_experts = 0;
+  int64_t K = 0;                          // reduction size (H for GEMM1, I for GEMM2)
+  int64_t N = 0;                          // weight rows (w13_rows for GEMM1, H for GEMM2)
+};
+// Token rows per GEMM tile: the tile table passed to the GEMMs must be built with this.
+int gemm_tile_rows();
+
+struct Gemm1Args : ExpertGemmArgs {
+  ActivationParams activation;            // gated: w rows [gate (I); up (I)]; relu2: I rows
+  ActQuant mode = ActQuant::W4A16;
+  const float* act_scale = nullptr;       // [E] w2_input_scale (w4a4 re-quantization), else unused
+  __nv_bfloat16* act = nullptr;           // [T*k, I]
+};
+cudaError_t launch_gemm1_act(const Gemm1Args& args, cudaStream_t stream);
+
+struct Gemm2Args : ExpertGemmArgs {
+  const int32_t* row_to_entry = nullptr;  // [T*k]
+  float* y = nullptr;                     // [T*k, H], indexed by entry
+};
+cudaError_t launch_gemm2(const Gemm2Args& args, cudaStream_t stream);
+
+// ---- finalize -------------------------------------------------------------------------------------
+// out[t] = bf16( sum_j w[t,j] * y[t*k+j] ), fp32, slots in order; w = 1 when unit_weights.
+struct FinalizeArgs {
+  const float* y = nullptr;             // [T*k, H]
+  const float* topk_weights = nullptr;  // [T, k]
+  int num_tokens = 0;
+  int top_k = 0;
+  int hidden_size = 0;
+  bool unit_weights = false;            // apply_router_weight_on_input
+  __nv_bfloat16* out = nullptr;         // [T, H]
+};
+cudaError_t launch_finalize(const FinalizeArgs& args, cudaStream_t stream);
+
+}  // namespace fp4moe::kernels

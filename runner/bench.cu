@@ -1,0 +1,251 @@
+// runner/bench.cu — ceilings and layer benchmarks (include/fp4moe/bench.hpp).
+//
+// Steps of bench_model:
+//   1. random NVFP4 weights for the whole model (io::make_random_packed_case), one runner, prepared once
+//   2. per T: fresh random hidden states and logits, one checked forward (experts hit from its routing)
+//   3. capture one forward in a CUDA graph; warm-up replays; then `reps` replays, each after an L2
+//      flush, each timed with its own event pair -> median, min
+//   4. an instrumented run (forward_marked, events between stages) -> stage times (median of 5)
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <set>
+#include <vector>
+
+#include "fp4moe/bench.hpp"
+#include "fp4moe/case_file.hpp"
+#include "fp4moe/format.hpp"
+#include "fp4moe/runner.hpp"
+
+namespace fp4moe {
+namespace {
+
+void ck(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw Error(detail::concat("bench: ", what, ": ", cudaGetErrorString(e)));
+}
+void ck(cublasStatus_t s, const char* what) {
+  if (s != CUBLAS_STATUS_SUCCESS) throw Error(detail::concat("bench: ", what, ": cuBLAS status ", int(s)));
+}
+
+struct Buffer {
+  void* ptr = nullptr;
+  explicit Buffer(size_t bytes) { ck(cudaMalloc(&ptr, bytes ? bytes : 1), "cudaMalloc"); }
+  ~Buffer() { cudaFree(ptr); }
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+};
+
+struct Events {
+  std::vector<cudaEvent_t> ev;
+  explicit Events(size_t n) : ev(n) {
+    for (auto& e : ev) ck(cudaEventCreate(&e), "cudaEventCreate");
+  }
+  ~Events() {
+    for (auto e : ev) cudaEventDestroy(e);
+  }
+  float ms(size_t a, size_t b) const {
+    float t = 0;
+    ck(cudaEventElapsedTime(&t, ev[a], ev[b]), "cudaEventElapsedTime");
+    return t;
+  }
+};
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+}  // namespace
+
+Ceilings measure_ceilings() {
+  Ceilings c;
+  int dev = 0;
+  ck(cudaGetDevice(&dev), "cudaGetDevice");
+  cudaDeviceProp prop{};
+  ck(cudaGetDeviceProperties(&prop, dev), "cudaGetDeviceProperties");
+  c.gpu_name = prop.name;
+  c.sm_count = prop.multiProcessorCount;
+  cudaStream_t s;
+  ck(cudaStreamCreate(&s), "cudaStreamCreate");
+  {  // copy: 2 GiB -> 2 GiB, far beyond L2; bytes read + written
+    const size_t bytes = size_t(2) << 30;
+    Buffer a(bytes), b(bytes);
+    ck(cudaMemsetAsync(a.ptr, 1, bytes, s), "memset");
+    Events ev(2);
+    std::vector<double> t;
+    for (int i = 0; i < 12; ++i) {
+      ck(cudaEventRecord(ev.ev[0], s), "record");
+      ck(cudaMemcpyAsync(b.ptr, a.ptr, bytes, cudaMemcpyDeviceToDevice, s), "copy");
+      ck(cudaEventRecord(ev.ev[1], s), "record");
+      ck(cudaEventSynchronize(ev.ev[1]), "sync");
+      if (i >= 2) t.push_back(ev.ms(0, 1));
+    }
+    c.copy_tbps = 2.0 * bytes / (median(t) * 1e-3) / 1e12;
+  }
+  {  // bf16 GEMM 8192^3 through cuBLAS on random-ish (non-zero) data
+    const int n = 8192;
+    Buffer a(size_t(n) * n * 2), b(size_t(n) * n * 2), d(size_t(n) * n * 2);
+    std::vector<__nv_bfloat16> host(size_t(n) * n);
+    uint32_t x = 12345;
+    for (auto& v : host) {
+      x = x * 1664525u + 1013904223u;
+      v = __float2bfloat16(float(int(x >> 9) % 2001 - 1000) / 1000.0f);
+    }
+    ck(cudaMemcpy(a.ptr, host.data(), host.size() * 2, cudaMemcpyHostToDevice), "upload");
+    ck(cudaMemcpy(b.ptr, host.data(), host.size() * 2, cudaMemcpyHostToDevice), "upload");
+    cublasHandle_t h;
+    ck(cublasCreate(&h), "cublasCreate");
+    ck(cublasSetStream(h, s), "cublasSetStream");
+    const float one = 1.0f, zero = 0.0f;
+    auto gemm = [&] {
+      ck(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, n, n, n, &one, a.ptr, CUDA_R_16BF, n, b.ptr, CUDA_R_16BF, n,
+                      &zero, d.ptr, CUDA_R_16BF, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+         "cublasGemmEx");
+    };
+    Events ev(2);
+    std::vector<double> t;
+    for (int i = 0; i < 13; ++i) {
+      ck(cudaEventRecord(ev.ev[0], s), "record");
+      gemm();
+      ck(cudaEventRecord(ev.ev[1], s), "record");
+      ck(cudaEventSynchronize(ev.ev[1]), "sync");
+      if (i >= 3) t.push_back(ev.ms(0, 1));
+    }
+    c.bf16_tflops = 2.0 * n * n * double(n) / (median(t) * 1e-3) / 1e12;
+    cublasDestroy(h);
+  }
+  cudaStreamDestroy(s);
+  return c;
+}
+
+std::vector<BenchRow> bench_model(const std::string& model, const MoeProblem& p, const std::vector<int64_t>& tokens,
+                                  const Ceilings& ceil, const BenchOptions& opt, bool progress) {
+  check(opt.reps >= 20, "bench: reps must be >= 20, got ", opt.reps);
+  check(!tokens.empty(), "bench: no token counts given");
+  for (int64_t t : tokens) check(t >= 1, "bench: token counts must be >= 1, got ", t);
+  const int64_t max_t = *std::max_element(tokens.begin(), tokens.end());
+  const int64_t E = p.num_experts, H = p.hidden, I = p.inter, k = p.top_k(), N13 = p.w13_rows();
+  const bool routed = p.routing.method == RoutingMethod::Precomputed;
+  check(!routed, "bench: a preset with precomputed routing cannot be benchmarked from logits");
+
+  if (progress) std::fprintf(stderr, "bench %s: preparing random NVFP4 weights ...\n", model.c_str());
+  io::MoeCase weights = io::make_random_packed_case(p, 0, opt.seed);
+  auto runner = MoeRunner::create(p, max_t);
+  if (Status s = runner->prepare_weights(weights.weights()); !s.ok()) throw Error(s.message);
+  weights = io::MoeCase{};  // host copy no longer needed
+
+  cudaStream_t stream;
+  ck(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
+  const size_t ws_bytes = runner->workspace_size(max_t);
+  Buffer ws(ws_bytes), hidden(max_t * H * 2), logits(max_t * E * 4), bias(E * 4), ids(max_t * k * 4),
+      wts(max_t * k * 4), out(max_t * H * 2);
+  const size_t flush_bytes = size_t(256) << 20;  // > 4x the 60 MB L2
+  Buffer flush(flush_bytes);
+
+  std::vector<BenchRow> rows;
+  for (int64_t T : tokens) {
+    // Fresh activations, logits (and DeepSeek bias) for this T: normal-ish values from a xorshift.
+    uint64_t z = (opt.seed + 1) * 0x9E3779B97F4A7C15ull + static_cast<uint64_t>(T);
+    auto normalish = [&z] {  // sum of 4 uniforms, unit variance
+      double sum = 0;
+      for (int r = 0; r < 4; ++r) {
+        z ^= z << 13; z ^= z >> 7; z ^= z << 17;
+        sum += double(z >> 11) / double(1ull << 53);
+      }
+      return float((sum - 2.0) * 1.7320508);
+    };
+    std::vector<uint16_t> h(T * H);
+    std::vector<float> lg(T * E), bs;
+    for (auto& v : h) v = format::bf16_from_float(normalish());
+    for (auto& v : lg) v = normalish();
+    if (p.routing.method == RoutingMethod::DeepSeekV3) {
+      bs.resize(E);
+      for (auto& v : bs) v = 0.1f * normalish();
+    }
+    ck(cudaMemcpy(hidden.ptr, h.data(), h.size() * 2, cudaMemcpyHostToDevice), "upload hidden");
+    ck(cudaMemcpy(logits.ptr, lg.data(), lg.size() * 4, cudaMemcpyHostToDevice), "upload logits");
+    const bool has_bias = !bs.empty();
+    if (has_bias) ck(cudaMemcpy(bias.ptr, bs.data(), E * 4, cudaMemcpyHostToDevice), "upload bias");
+
+    ForwardArgs a;
+    a.num_tokens = T;
+    a.hidden = hidden.ptr;
+    a.router_logits = logits.ptr;
+    a.routing_bias = has_bias ? static_cast<const float*>(bias.ptr) : nullptr;
+    a.topk_ids = static_cast<int32_t*>(ids.ptr);
+    a.topk_weights = static_cast<float*>(wts.ptr);
+    a.output = out.ptr;
+    a.workspace = ws.ptr;
+    a.workspace_bytes = ws_bytes;
+    if (Status s = runner->forward(stream, a); !s.ok()) throw Error(s.message);
+    ck(cudaStreamSynchronize(stream), "forward");
+
+    BenchRow row;
+    row.model = model;
+    row.mode = p.act_quant;
+    row.tokens = T;
+    {
+      std::vector<int32_t> got(T * k);
+      ck(cudaMemcpy(got.data(), ids.ptr, got.size() * 4, cudaMemcpyDeviceToHost), "download ids");
+      row.experts_hit = static_cast<int64_t>(std::set<int32_t>(got.begin(), got.end()).size());
+    }
+
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    ck(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), "begin capture");
+    Status cs = runner->forward(stream, a);
+    ck(cudaStreamEndCapture(stream, &graph), "end capture");
+    if (!cs.ok()) throw Error(cs.message);
+    ck(cudaGraphInstantiate(&exec, graph, 0), "graph instantiate");
+
+    Events ev(2 * opt.reps);
+    for (int i = 0; i < opt.warmup; ++i) ck(cudaGraphLaunch(exec, stream), "graph launch");
+    for (int i = 0; i < opt.reps; ++i) {
+      ck(cudaMemsetAsync(flush.ptr, i & 0xFF, flush_bytes, stream), "L2 flush");
+      ck(cudaEventRecord(ev.ev[2 * i], stream), "record");
+      ck(cudaGraphLaunch(exec, stream), "graph launch");
+      ck(cudaEventRecord(ev.ev[2 * i + 1], stream), "record");
+    }
+    ck(cudaStreamSynchronize(stream), "replays");
+    std::vector<double> t_us;
+    for (int i = 0; i < opt.reps; ++i) t_us.push_back(1e3 * ev.ms(2 * i, 2 * i + 1));
+    for (double v : t_us) check(v > 0, "bench: a replay measured ", v, " us");
+    row.median_us = median(t_us);
+    row.min_us = *std::min_element(t_us.begin(), t_us.end());
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+
+    // Stage times: instrumented forwards (not graphs), L2 flushed before each.
+    Events marks(MoeRunner::kForwardStages + 1);
+    std::vector<std::vector<double>> st(MoeRunner::kForwardStages);
+    for (int i = 0; i < 5; ++i) {
+      ck(cudaMemsetAsync(flush.ptr, i, flush_bytes, stream), "L2 flush");
+      if (Status s = runner->forward_marked(stream, a, false, marks.ev.data()); !s.ok()) throw Error(s.message);
+      ck(cudaStreamSynchronize(stream), "instrumented forward");
+      for (int j = 0; j < MoeRunner::kForwardStages; ++j) st[j].push_back(1e3 * marks.ms(j, j + 1));
+    }
+    row.stages = {median(st[0]), median(st[1]), median(st[2]), median(st[3]), median(st[4]), median(st[5])};
+
+    const double params_per_expert = double(N13) * H + double(H) * I;
+    row.weight_bytes = row.experts_hit * params_per_expert * 0.5625;
+    row.bytes = row.weight_bytes + double(T) * H * 2 * 2 + double(T) * E * 4;
+    row.flops = 2.0 * T * k * params_per_expert;
+    row.floor_us = std::max(row.bytes / (ceil.copy_tbps * 1e12), row.flops / (ceil.bf16_tflops * 1e12)) * 1e6;
+    row.pct_of_floor = 100.0 * row.floor_us / row.median_us;
+    row.tflops = row.flops / (row.median_us * 1e-6) / 1e12;
+    row.weight_tbps = row.weight_bytes / (row.median_us * 1e-6) / 1e12;
+    if (progress)
+      std::fprintf(stderr, "bench %s %s T=%lld: %.1f us (floor %.1f us, %.0f%%)\n", model.c_str(),
+                   std::string(to_string(p.act_quant)).c_str(), static_cast<long long>(T), row.median_us,
+                   row.floor_us, row.pct_of_floor);
+    rows.push_back(row);
+  }
+  cudaStreamDestroy(stream);
+  return rows;
+}
+
+}  // namespace fp4moe

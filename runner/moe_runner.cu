@@ -1,0 +1,385 @@
+// runner/moe_runner.cu — MoeRunner on an sm_90a GPU: argument checks, prepared weights, workspace
+// plan and the launch sequence of one forward.
+//
+// forward:         route -> permute -> gather/quantize -> GEMM1+activation -> GEMM2 -> finalize
+// forward_routed:  validate ids -> permute -> ...            (same from permute on)
+//
+// Every launch is asynchronous on the caller's stream; nothing here synchronises or allocates after
+// prepare_weights, so a forward can be captured in a CUDA graph (one graph per token count T).
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "fp4moe/format.hpp"
+#include "fp4moe/runner.hpp"
+#include "kernels/launch.hpp"
+
+namespace fp4moe {
+namespace {
+
+constexpr size_t kAlign = 256;
+size_t align_up(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
+
+std::string cuda_message(const char* what, cudaError_t e) {
+  return detail::concat(what, " failed: ", cudaGetErrorName(e), " (", cudaGetErrorString(e), ")");
+}
+
+// Device memory owned by the runner (weights and per-expert scalars), freed with it.
+class DeviceBytes {
+ public:
+  DeviceBytes() = default;
+  DeviceBytes(const DeviceBytes&) = delete;
+  DeviceBytes& operator=(const DeviceBytes&) = delete;
+  ~DeviceBytes() { reset(); }
+  void reset() {
+    if (ptr_) cudaFree(ptr_);
+    ptr_ = nullptr;
+  }
+  // Uploads `bytes` bytes; returns an error message or "".
+  std::string upload(const void* host, size_t bytes, const char* name) {
+    reset();
+    cudaError_t e = cudaMalloc(&ptr_, std::max<size_t>(bytes, 1));
+    if (e != cudaSuccess) return detail::concat("prepare_weights: allocating ", name, " (", bytes, " bytes): ", cudaGetErrorString(e));
+    e = cudaMemcpy(ptr_, host, bytes, cudaMemcpyHostToDevice);
+    if (e != cudaSuccess) return detail::concat("prepare_weights: uploading ", name, ": ", cudaGetErrorString(e));
+    return {};
+  }
+  template <typename T>
+  T* as() const { return static_cast<T*>(ptr_); }
+
+ private:
+  void* ptr_ = nullptr;
+};
+
+// Offsets of the workspace regions for a given max token count.
+struct WorkspacePlan {
+  size_t expert_offsets, row_to_entry, entry_to_row, tile_expert, tile_row_start, num_tiles;
+  size_t permute_scratch, a1, act, y, error_count;
+  size_t total;
+  int64_t max_tiles;
+
+  WorkspacePlan(const MoeProblem& p, int64_t max_tokens) {
+    const int64_t entries = max_tokens * p.top_k();
+    max_tiles = kernels::max_tiles(entries, p.num_experts, kernels::gemm_tile_rows());
+    size_t at = 0;
+    auto take = [&at](size_t bytes) { size_t here = at; at += align_up(bytes); return here; };
+    expert_offsets = take(sizeof(int32_t) * (p.num_experts + 1));
+    row_to_entry = take(sizeof(int32_t) * entries);
+    entry_to_row = take(sizeof(int32_t) * entries);
+    tile_expert = take(sizeof(int32_t) * max_tiles);
+    tile_row_start = take(sizeof(int32_t) * max_tiles);
+    num_tiles = take(sizeof(int32_t));
+    permute_scratch = take(kernels::permute_scratch_bytes(entries, p.num_experts));
+    a1 = take(sizeof(__nv_bfloat16) * entries * p.hidden);
+    act = take(sizeof(__nv_bfloat16) * entries * p.inter);
+    y = take(sizeof(float) * entries * p.hidden);
+    error_count = take(sizeof(int32_t));
+    total = at;
+  }
+};
+
+template <typename T>
+T* region(void* base, size_t offset) {
+  return reinterpret_cast<T*>(static_cast<char*>(base) + offset);
+}
+
+class GpuMoeRunner final : public MoeRunner {
+ public:
+  GpuMoeRunner(const MoeProblem& p, int64_t max_tokens, int device)
+      : MoeRunner(p, max_tokens), device_(device) {}
+
+  Status prepare_weights(const reference::MoeWeights& w, const WeightPrepOptions& options) override;
+  size_t workspace_size(int64_t max_tokens) const override {
+    return WorkspacePlan(problem_, max_tokens).total;
+  }
+  Status forward(CUstream_st* stream, const ForwardArgs& args) override {
+    return run(stream, args, /*routed=*/false, nullptr);
+  }
+  Status forward_routed(CUstream_st* stream, const ForwardArgs& args) override {
+    return run(stream, args, /*routed=*/true, nullptr);
+  }
+  Status forward_marked(CUstream_st* stream, const ForwardArgs& args, bool routed,
+                        CUevent_st* const marks[kForwardStages + 1]) override {
+    return run(stream, args, routed, marks);
+  }
+
+ private:
+  Status check_args(cudaStream_t stream, const ForwardArgs& args, bool routed) const;
+  Status run(cudaStream_t stream, const ForwardArgs& args, bool routed, cudaEvent_t const* marks);
+
+  int device_;
+  bool prepared_ = false;
+  kernels::PrepackedWeights w13_, w2_;           // layout chosen by the GEMM kernels
+  DeviceBytes w13_bytes_, w13_scale_bytes_, w2_bytes_, w2_scale_bytes_;
+  DeviceBytes alpha1_, alpha2_, act_scale_, input_scale_;  // [E] fp32 each; input_scale_ [1] or [E]
+};
+
+// Validates one per-expert scale vector: finite and > 0.
+std::string check_scales(const float* v, int64_t n, const char* name) {
+  if (!v) return detail::concat("prepare_weights: ", name, " is null (expected [", n, "] f32)");
+  for (int64_t e = 0; e < n; ++e)
+    if (!std::isfinite(v[e]) || !(v[e] > 0.0f))
+      return detail::concat("prepare_weights: ", name, "[", e, "] must be finite and > 0, got ", v[e]);
+  return {};
+}
+
+Status GpuMoeRunner::prepare_weights(const reference::MoeWeights& w, const WeightPrepOptions& options) {
+  const MoeProblem& p = problem_;
+  const int64_t E = p.num_experts, H = p.hidden, I = p.inter, N13 = p.w13_rows();
+  const bool w4a4 = p.act_quant != ActQuant::W4A16;
+  if (cudaError_t e = cudaSetDevice(device_); e != cudaSuccess) return Status::failure(cuda_message("cudaSetDevice", e));
+  for (auto [ptr, name] : {std::pair<const void*, const char*>{w.w13, "w13"}, {w.w13_scale, "w13_scale"},
+                           {w.w2, "w2"}, {w.w2_scale, "w2_scale"}})
+    if (!ptr) return Status::failure(detail::concat("prepare_weights: ", name, " is null"));
+  for (auto [v, name] : {std::pair<const float*, const char*>{w.w13_scale_2, "w13_scale_2"}, {w.w2_scale_2, "w2_scale_2"}})
+    if (auto m = check_scales(v, E, name); !m.empty()) return Status::failure(m);
+  if (w4a4)
+    for (auto [v, name] : {std::pair<const float*, const char*>{w.w13_input_scale, "w13_input_scale"},
+                           {w.w2_input_scale, "w2_input_scale"}})
+      if (auto m = check_scales(v, E, name); !m.empty()) return Status::failure(m);
+
+  // Canonical layout first: linear scales, [gate; up] row order.
+  std::vector<uint8_t> w13(w.w13, w.w13 + E * N13 * H / 2);
+  std::vector<uint8_t> w13_scale(E * N13 * H / 16), w2_scale(E * H * I / 16);
+  if (options.scales_swizzled) {
+    format::scales_swizzled_to_linear(w.w13_scale, E, N13, H / 16, w13_scale.data());
+    format::scales_swizzled_to_linear(w.w2_scale, E, H, I / 16, w2_scale.data());
+  } else {
+    std::memcpy(w13_scale.data(), w.w13_scale, w13_scale.size());
+    std::memcpy(w2_scale.data(), w.w2_scale, w2_scale.size());
+  }
+  if (options.w13_up_gate) {
+    if (!p.gated())
+      return Status::failure("prepare_weights: w13_up_gate needs a gated activation (relu2 has no gate/up halves)");
+    for (int64_t e = 0; e < E; ++e) {  // swap the two halves of each expert's rows
+      std::swap_ranges(w13.begin() + e * N13 * H / 2, w13.begin() + e * N13 * H / 2 + I * H / 2,
+                       w13.begin() + e * N13 * H / 2 + I * H / 2);
+      std::swap_ranges(w13_scale.begin() + e * N13 * H / 16, w13_scale.begin() + e * N13 * H / 16 + I * H / 16,
+                       w13_scale.begin() + e * N13 * H / 16 + I * H / 16);
+    }
+  }
+
+  std::vector<uint8_t> packed, packed_scale;
+  std::string m;
+  w13_ = kernels::prepack_expert_weights(w13.data(), w13_scale.data(), E, N13, H, packed, packed_scale);
+  if (m = w13_bytes_.upload(packed.data(), packed.size(), "w13"); !m.empty()) return Status::failure(m);
+  if (m = w13_scale_bytes_.upload(packed_scale.data(), packed_scale.size(), "w13_scale"); !m.empty()) return Status::failure(m);
+  w2_ = kernels::prepack_expert_weights(w.w2, w2_scale.data(), E, H, I, packed, packed_scale);
+  if (m = w2_bytes_.upload(packed.data(), packed.size(), "w2"); !m.empty()) return Status::failure(m);
+  if (m = w2_scale_bytes_.upload(packed_scale.data(), packed_scale.size(), "w2_scale"); !m.empty()) return Status::failure(m);
+
+  // Global scales (DESIGN.md §1): alpha1 = w13_scale_2 * a, alpha2 = w2_scale_2 (* w2_input_scale).
+  std::vector<float> alpha1(E), alpha2(E), act_scale(E, 1.0f), input_scale;
+  float a_scalar = 0.0f;
+  if (p.act_quant == ActQuant::W4A4Scalar)
+    a_scalar = *std::max_element(w.w13_input_scale, w.w13_input_scale + E);
+  for (int64_t e = 0; e < E; ++e) {
+    switch (p.act_quant) {
+      case ActQuant::W4A16: alpha1[e] = w.w13_scale_2[e]; alpha2[e] = w.w2_scale_2[e]; break;
+      case ActQuant::W4A4Scalar: alpha1[e] = w.w13_scale_2[e] * a_scalar; break;
+      case ActQuant::W4A4PerExpert: alpha1[e] = w.w13_scale_2[e] * w.w13_input_scale[e]; break;
+    }
+    if (w4a4) {
+      alpha2[e] = w.w2_scale_2[e] * w.w2_input_scale[e];
+      act_scale[e] = w.w2_input_scale[e];
+    }
+  }
+  if (p.act_quant == ActQuant::W4A4Scalar) input_scale = {a_scalar};
+  else if (p.act_quant == ActQuant::W4A4PerExpert) input_scale.assign(w.w13_input_scale, w.w13_input_scale + E);
+  else input_scale = {1.0f};
+  if (m = alpha1_.upload(alpha1.data(), E * sizeof(float), "alpha1"); !m.empty()) return Status::failure(m);
+  if (m = alpha2_.upload(alpha2.data(), E * sizeof(float), "alpha2"); !m.empty()) return Status::failure(m);
+  if (m = act_scale_.upload(act_scale.data(), E * sizeof(float), "w2_input_scale"); !m.empty()) return Status::failure(m);
+  if (m = input_scale_.upload(input_scale.data(), input_scale.size() * sizeof(float), "w13_input_scale"); !m.empty())
+    return Status::failure(m);
+  prepared_ = true;
+  return Status::success();
+}
+
+Status GpuMoeRunner::check_args(cudaStream_t stream, const ForwardArgs& a, bool routed) const {
+  const char* fn = routed ? "forward_routed" : "forward";
+  auto fail = [fn](auto&&... parts) { return Status::failure(detail::concat(fn, ": ", parts...)); };
+  if (!prepared_) return fail("weights are not prepared (call prepare_weights first)");
+  if (a.num_tokens < 0 || a.num_tokens > max_tokens_)
+    return fail("num_tokens must be in [0, max_tokens=", max_tokens_, "], got ", a.num_tokens);
+  const size_t need = workspace_size(max_tokens_);
+  if (a.workspace_bytes < need) return fail("workspace_bytes must be >= workspace_size(max_tokens) = ", need, ", got ", a.workspace_bytes);
+  if (a.num_tokens == 0) return Status::success();
+  struct Ptr { const void* p; const char* name; size_t align; };
+  std::vector<Ptr> ptrs = {{a.hidden, "hidden", 16}, {a.output, "output", 16}, {a.topk_ids, "topk_ids", 4},
+                           {a.topk_weights, "topk_weights", 4}, {a.workspace, "workspace", kAlign}};
+  if (!routed) ptrs.push_back({a.router_logits, "router_logits", a.logits_dtype == LogitsDType::F32 ? 4u : 2u});
+  for (const Ptr& q : ptrs) {
+    if (!q.p) return fail(q.name, " is null");
+    if (reinterpret_cast<uintptr_t>(q.p) % q.align != 0) return fail(q.name, " must be ", q.align, "-byte aligned");
+    cudaPointerAttributes attr{};
+    if (cudaPointerGetAttributes(&attr, q.p) != cudaSuccess || attr.type != cudaMemoryTypeDevice)
+      return (void)cudaGetLastError(), fail(q.name, " must be device memory");
+    if (attr.device != device_) return fail(q.name, " is on device ", attr.device, " but the runner is on device ", device_);
+  }
+  if (routed && problem_.routing.method != RoutingMethod::Precomputed && a.router_logits)
+    return fail("router_logits given to forward_routed; use forward to route from logits");
+  if (!routed && problem_.routing.method == RoutingMethod::Precomputed)
+    return fail("routing method is precomputed: call forward_routed with topk_ids/topk_weights");
+  if (a.routing_bias && problem_.routing.method != RoutingMethod::DeepSeekV3)
+    return fail("routing_bias is only used by deepseek_v3 routing, got method ", to_string(problem_.routing.method));
+  if (stream) {
+    int stream_device = -1;
+    if (cudaStreamGetDevice(stream, &stream_device) == cudaSuccess && stream_device != device_)
+      return fail("stream belongs to device ", stream_device, " but the runner is on device ", device_);
+    (void)cudaGetLastError();
+  }
+  return Status::success();
+}
+
+// Launches one stage; on failure returns the kernel's name and the CUDA error. With marks, records
+// the stage's end event.
+#define FP4MOE_LAUNCH(stage, name, call)                                                             \
+  do {                                                                                               \
+    if (cudaError_t e_ = (call); e_ != cudaSuccess)                                                  \
+      return Status::failure(detail::concat(fn, ": kernel ", name, ": ", cudaGetErrorName(e_), " (", \
+                                            cudaGetErrorString(e_), ")"));                           \
+    if (marks) cudaEventRecord(marks[stage], stream);                                                \
+  } while (0)
+
+Status GpuMoeRunner::run(cudaStream_t stream, const ForwardArgs& a, bool routed, cudaEvent_t const* marks) {
+  const char* fn = routed ? "forward_routed" : "forward";
+  if (Status s = check_args(stream, a, routed); !s.ok()) return s;
+  const MoeProblem& p = problem_;
+  const int T = static_cast<int>(a.num_tokens), k = p.top_k(), E = static_cast<int>(p.num_experts);
+  if (T == 0) return Status::success();
+  if (cudaError_t e = cudaSetDevice(device_); e != cudaSuccess) return Status::failure(cuda_message("cudaSetDevice", e));
+  const WorkspacePlan plan(p, max_tokens_);
+  const int64_t entries = int64_t(T) * k;
+  void* ws = a.workspace;
+  auto* ids = a.topk_ids;
+  auto* weights = a.topk_weights;
+
+  if (marks) cudaEventRecord(marks[0], stream);
+  if (routed && marks) cudaEventRecord(marks[1], stream);
+  if (!routed) {
+    kernels::RouteArgs r;
+    r.logits = a.router_logits;
+    r.logits_bf16 = a.logits_dtype == LogitsDType::BF16;
+    r.bias = a.routing_bias;
+    r.num_tokens = T;
+    r.num_experts = E;
+    r.params = p.routing;
+    r.topk_ids = ids;
+    r.topk_weights = weights;
+    FP4MOE_LAUNCH(1, "route", kernels::launch_route(r, stream));
+  }
+
+  kernels::PermuteArgs pa;
+  pa.topk_ids = ids;
+  pa.num_tokens = T;
+  pa.top_k = k;
+  pa.num_experts = E;
+  pa.tile_rows = kernels::gemm_tile_rows();
+  pa.expert_offsets = region<int32_t>(ws, plan.expert_offsets);
+  pa.row_to_entry = region<int32_t>(ws, plan.row_to_entry);
+  pa.entry_to_row = region<int32_t>(ws, plan.entry_to_row);
+  pa.tile_expert = region<int32_t>(ws, plan.tile_expert);
+  pa.tile_row_start = region<int32_t>(ws, plan.tile_row_start);
+  pa.num_tiles = region<int32_t>(ws, plan.num_tiles);
+  pa.scratch = region<void>(ws, plan.permute_scratch);
+  FP4MOE_LAUNCH(2, "permute", kernels::launch_permute(pa, stream));
+
+  kernels::GatherArgs g;
+  g.hidden = static_cast<const __nv_bfloat16*>(a.hidden);
+  g.row_to_entry = pa.row_to_entry;
+  g.topk_ids = ids;
+  g.topk_weights = weights;
+  g.input_scale = input_scale_.as<float>();
+  g.num_tokens = T;
+  g.top_k = k;
+  g.hidden_size = static_cast<int>(p.hidden);
+  g.mode = p.act_quant;
+  g.scale_by_weight = p.routing.apply_router_weight_on_input;
+  g.a1 = region<__nv_bfloat16>(ws, plan.a1);
+  FP4MOE_LAUNCH(3, "gather_quantize", kernels::launch_gather_quantize(g, stream));
+
+  const int64_t tiles = kernels::max_tiles(entries, E, kernels::gemm_tile_rows());
+  auto common = [&](kernels::ExpertGemmArgs& x, const kernels::PrepackedWeights& pw, const DeviceBytes& wb,
+                    const DeviceBytes& sb, const DeviceBytes& alpha, int64_t K, int64_t N) {
+    x.w = wb.as<uint8_t>();
+    x.w_scale = sb.as<uint8_t>();
+    x.weights = pw;
+    x.alpha = alpha.as<float>();
+    x.expert_offsets = pa.expert_offsets;
+    x.tile_expert = pa.tile_expert;
+    x.tile_row_start = pa.tile_row_start;
+    x.num_tiles = pa.num_tiles;
+    x.max_tiles = tiles;
+    x.num_experts = E;
+    x.K = K;
+    x.N = N;
+  };
+  kernels::Gemm1Args g1;
+  common(g1, w13_, w13_bytes_, w13_scale_bytes_, alpha1_, p.hidden, p.w13_rows());
+  g1.a = g.a1;
+  g1.activation = p.activation;
+  g1.mode = p.act_quant;
+  g1.act_scale = act_scale_.as<float>();
+  g1.act = region<__nv_bfloat16>(ws, plan.act);
+  FP4MOE_LAUNCH(4, "gemm1_act", kernels::launch_gemm1_act(g1, stream));
+
+  kernels::Gemm2Args g2;
+  common(g2, w2_, w2_bytes_, w2_scale_bytes_, alpha2_, p.inter, p.hidden);
+  g2.a = g1.act;
+  g2.row_to_entry = pa.row_to_entry;
+  g2.y = region<float>(ws, plan.y);
+  FP4MOE_LAUNCH(5, "gemm2", kernels::launch_gemm2(g2, stream));
+
+  kernels::FinalizeArgs f;
+  f.y = g2.y;
+  f.topk_weights = weights;
+  f.num_tokens = T;
+  f.top_k = k;
+  f.hidden_size = static_cast<int>(p.hidden);
+  f.unit_weights = p.routing.apply_router_weight_on_input;
+  f.out = static_cast<__nv_bfloat16*>(a.output);
+  FP4MOE_LAUNCH(6, "finalize", kernels::launch_finalize(f, stream));
+  return Status::success();
+}
+
+}  // namespace
+
+std::unique_ptr<MoeRunner> MoeRunner::create(const MoeProblem& problem, int64_t max_tokens, int device) {
+  problem.validate();
+  check(max_tokens >= 0, "MoeRunner::create: max_tokens must be >= 0, got ", max_tokens);
+  check(problem.num_experts <= 512, "MoeRunner::create: the GPU routing supports up to 512 experts, got E=",
+        problem.num_experts);
+  check(max_tokens * problem.top_k() < (int64_t(1) << 31), "MoeRunner::create: max_tokens * top_k must fit int32, got ",
+        max_tokens * problem.top_k());
+  std::string why;
+  check(cuda_device_available(&why), "MoeRunner::create: ", why);
+  if (device < 0) check(cudaGetDevice(&device) == cudaSuccess, "MoeRunner::create: cudaGetDevice failed");
+  cudaDeviceProp prop{};
+  check(cudaGetDeviceProperties(&prop, device) == cudaSuccess, "MoeRunner::create: no CUDA device ", device);
+  check(prop.major == 9 && prop.minor == 0, "MoeRunner::create: device ", device, " (", prop.name,
+        ") has compute capability ", prop.major, ".", prop.minor, "; fp4moe's kernels are built for sm_90a (Hopper)");
+  return std::make_unique<GpuMoeRunner>(problem, max_tokens, device);
+}
+
+bool cuda_device_available(std::string* why_not) {
+  int count = 0;
+  cudaError_t e = cudaGetDeviceCount(&count);
+  if (e != cudaSuccess || count == 0) {
+    if (why_not) *why_not = e != cudaSuccess ? cuda_message("cudaGetDeviceCount", e) : "no CUDA device";
+    (void)cudaGetLastError();
+    return false;
+  }
+  for (int d = 0; d < count; ++d) {
+    cudaDeviceProp prop{};
+    if (cudaGetDeviceProperties(&prop, d) == cudaSuccess && prop.major == 9 && prop.minor == 0) return true;
+  }
+  if (why_not) *why_not = "no device of compute capability 9.0 (Hopper) is visible";
+  return false;
+}
+
+}  // namespace fp4moe

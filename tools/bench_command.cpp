@@ -1,0 +1,115 @@
+// tools/bench_command.cpp — `fp4moe bench`: ceilings, then per (model, T) the layer against its floor.
+#include "tools/bench_command.hpp"
+
+#include <nlohmann/json.hpp>
+
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+
+#include "fp4moe/bench.hpp"
+#include "fp4moe/error.hpp"
+#include "fp4moe/presets.hpp"
+
+namespace fp4moe::tools {
+namespace {
+
+std::vector<std::string> split(const std::string& s) {
+  std::vector<std::string> v;
+  std::stringstream ss(s);
+  for (std::string item; std::getline(ss, item, ',');)
+    if (!item.empty()) v.push_back(item);
+  return v;
+}
+
+std::vector<int64_t> parse_tokens(const std::string& s) {
+  std::vector<int64_t> v;
+  for (const std::string& item : split(s)) {
+    size_t used = 0;
+    long long t = 0;
+    try {
+      t = std::stoll(item, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    check(used == item.size() && t >= 1, "--tokens: expected a comma-separated list of integers >= 1, got '", item, "'");
+    v.push_back(t);
+  }
+  check(!v.empty(), "--tokens: no token counts given");
+  return v;
+}
+
+}  // namespace
+
+void add_bench_command(CLI::App& app, BenchCommandOptions& o) {
+  CLI::App* b = app.add_subcommand("bench", "Time the layer against its floor (CUDA-graph replay, cold L2)");
+  b->add_option("--model", o.models, "Preset name(s), comma-separated")->required();
+  b->add_option("--tokens", o.tokens, "Token counts, comma-separated")->capture_default_str();
+  b->add_option("--mode", o.mode, "w4a16, w4a4_scalar or w4a4_per_expert")->capture_default_str();
+  b->add_option("--json", o.json, "Write the results as JSON to this file");
+  b->add_option("--csv", o.csv, "Write the results as CSV to this file");
+  b->add_option("--reps", o.reps, "Timed replays per row (>= 20)")->capture_default_str();
+  o.command = b;
+}
+
+int run_bench_command(const BenchCommandOptions& o) {
+  const ActQuant mode = parse_act_quant(o.mode, "--mode");
+  const std::vector<int64_t> tokens = parse_tokens(o.tokens);
+  const std::vector<std::string> models = split(o.models);
+  for (const auto& m : models) (void)preset(m, mode);  // unknown names fail before any GPU work
+
+  std::fprintf(stderr, "bench: measuring ceilings ...\n");
+  const Ceilings c = measure_ceilings();
+  std::printf("GPU: %s (%d SMs)   copy %.2f TB/s (read+write)   bf16 GEMM %.0f TFLOP/s\n", c.gpu_name.c_str(),
+              c.sm_count, c.copy_tbps, c.bf16_tflops);
+  BenchOptions opt;
+  opt.reps = o.reps;
+  std::vector<BenchRow> rows;
+  for (const auto& m : models) {
+    auto r = bench_model(m, preset(m, mode), tokens, c, opt, true);
+    rows.insert(rows.end(), r.begin(), r.end());
+  }
+
+  std::printf("\n%-16s %-16s %6s %5s %10s %10s %10s %7s %8s %8s | %7s %7s %7s %7s %7s %7s\n", "model", "mode", "T",
+              "hit", "median_us", "min_us", "floor_us", "%floor", "TFLOP/s", "W TB/s", "route", "permute",
+              "quant", "gemm1", "gemm2", "final");
+  for (const BenchRow& r : rows)
+    std::printf("%-16s %-16s %6lld %5lld %10.1f %10.1f %10.1f %6.1f%% %8.1f %8.2f | %7.1f %7.1f %7.1f %7.1f %7.1f %7.1f\n",
+                r.model.c_str(), std::string(to_string(r.mode)).c_str(), static_cast<long long>(r.tokens),
+                static_cast<long long>(r.experts_hit), r.median_us, r.min_us, r.floor_us, r.pct_of_floor, r.tflops,
+                r.weight_tbps, r.stages.route_us, r.stages.permute_us, r.stages.quantize_us, r.stages.gemm1_us,
+                r.stages.gemm2_us, r.stages.finalize_us);
+
+  if (!o.json.empty()) {
+    nlohmann::json j;
+    j["gpu"] = c.gpu_name;
+    j["sm_count"] = c.sm_count;
+    j["ceilings"] = {{"copy_tbps", c.copy_tbps}, {"bf16_tflops", c.bf16_tflops}};
+    j["rows"] = nlohmann::json::array();
+    for (const BenchRow& r : rows)
+      j["rows"].push_back({{"model", r.model}, {"mode", std::string(to_string(r.mode))}, {"tokens", r.tokens},
+                           {"experts_hit", r.experts_hit}, {"median_us", r.median_us}, {"min_us", r.min_us},
+                           {"floor_us", r.floor_us}, {"pct_of_floor", r.pct_of_floor}, {"tflops", r.tflops},
+                           {"weight_tbps", r.weight_tbps}, {"weight_bytes", r.weight_bytes}, {"flops", r.flops},
+                           {"stages_us", {{"route", r.stages.route_us}, {"permute", r.stages.permute_us},
+                                          {"quantize", r.stages.quantize_us}, {"gemm1", r.stages.gemm1_us},
+                                          {"gemm2", r.stages.gemm2_us}, {"finalize", r.stages.finalize_us}}}});
+    std::ofstream f(o.json);
+    check(static_cast<bool>(f), "--json: cannot write '", o.json, "'");
+    f << j.dump(2) << "\n";
+  }
+  if (!o.csv.empty()) {
+    std::ofstream f(o.csv);
+    check(static_cast<bool>(f), "--csv: cannot write '", o.csv, "'");
+    f << "model,mode,tokens,experts_hit,median_us,min_us,floor_us,pct_of_floor,tflops,weight_tbps,route_us,"
+         "permute_us,quantize_us,gemm1_us,gemm2_us,finalize_us\n";
+    for (const BenchRow& r : rows)
+      f << r.model << ',' << to_string(r.mode) << ',' << r.tokens << ',' << r.experts_hit << ',' << r.median_us << ','
+        << r.min_us << ',' << r.floor_us << ',' << r.pct_of_floor << ',' << r.tflops << ',' << r.weight_tbps << ','
+        << r.stages.route_us << ',' << r.stages.permute_us << ',' << r.stages.quantize_us << ','
+        << r.stages.gemm1_us << ',' << r.stages.gemm2_us << ',' << r.stages.finalize_us << '\n';
+  }
+  return 0;
+}
+
+}  // namespace fp4moe::tools

@@ -1,0 +1,22 @@
+// tools/bench_command.hpp — the `fp4moe bench` subcommand.
+#pragma once
+
+#include <CLI/CLI.hpp>
+
+#include <string>
+
+namespace fp4moe::tools {
+
+struct BenchCommandOptions {
+  std::string models;
+  std::string tokens = "1,2,4,8,16,32,64,128,256,512,1024,2048,4096,8192,16384";
+  std::string mode = "w4a4_scalar";
+  std::string json, csv;
+  int reps = 30;
+  CLI::App* command = nullptr;
+};
+
+void add_bench_command(CLI::App& app, BenchCommandOptions& options);
+int run_bench_command(const BenchCommandOptions& options);
+
+}  // namespace fp4moe::tools
