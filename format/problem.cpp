@@ -1,0 +1,143 @@
+// format/problem.cpp — names, parsing, validation and description of MoeProblem (DESIGN.md §1, §3, §4).
+//
+// Steps: one table per enum maps the value to its snake_case name (DESIGN.md §3); parsing looks the
+// name up in that table and, on failure, throws an error that lists every accepted name. validate()
+// checks sizes, top-k, and the method/activation-specific parameters, naming the field, the expected
+// and the actual value.
+#include <cmath>
+#include <sstream>
+#include <string>
+#include <string_view>
+
+#include "fp4moe/error.hpp"
+#include "fp4moe/problem.hpp"
+
+namespace fp4moe {
+namespace {
+
+template <typename E>
+struct NameEntry {
+  E value;
+  std::string_view name;
+};
+
+constexpr NameEntry<RoutingMethod> kRoutingNames[] = {
+    {RoutingMethod::Default, "default"},
+    {RoutingMethod::Renormalize, "renormalize"},
+    {RoutingMethod::RenormalizeNaive, "renormalize_naive"},
+    {RoutingMethod::TopK, "topk"},
+    {RoutingMethod::Sigmoid, "sigmoid"},
+    {RoutingMethod::SigmoidRenorm, "sigmoid_renorm"},
+    {RoutingMethod::TopKSigmoid, "topk_sigmoid"},
+    {RoutingMethod::Llama4, "llama4"},
+    {RoutingMethod::DeepSeekV3, "deepseek_v3"},
+    {RoutingMethod::Precomputed, "precomputed"},
+};
+
+constexpr NameEntry<Activation> kActivationNames[] = {
+    {Activation::SwiGLU, "swiglu"},
+    {Activation::GeGLU, "geglu"},
+    {Activation::SwiGLUOai, "swiglu_oai"},
+    {Activation::Relu2, "relu2"},
+};
+
+constexpr NameEntry<ActQuant> kActQuantNames[] = {
+    {ActQuant::W4A16, "w4a16"},
+    {ActQuant::W4A4Scalar, "w4a4_scalar"},
+    {ActQuant::W4A4PerExpert, "w4a4_per_expert"},
+};
+
+template <typename E, size_t N>
+std::string_view name_of(const NameEntry<E> (&table)[N], E value) {
+  for (const auto& e : table)
+    if (e.value == value) return e.name;
+  return "unknown";
+}
+
+template <typename E, size_t N>
+E parse_name(const NameEntry<E> (&table)[N], std::string_view name, std::string_view what) {
+  for (const auto& e : table)
+    if (e.name == name) return e.value;
+  std::ostringstream accepted;
+  for (size_t i = 0; i < N; ++i) accepted << (i ? ", " : "") << table[i].name;
+  throw Error(detail::concat(what, ": unknown name '", name, "', expected one of: ", accepted.str()));
+}
+
+}  // namespace
+
+std::string_view to_string(RoutingMethod m) { return name_of(kRoutingNames, m); }
+std::string_view to_string(Activation a) { return name_of(kActivationNames, a); }
+std::string_view to_string(ActQuant q) { return name_of(kActQuantNames, q); }
+
+RoutingMethod parse_routing_method(std::string_view name, std::string_view what) {
+  return parse_name(kRoutingNames, name, what);
+}
+Activation parse_activation(std::string_view name, std::string_view what) {
+  return parse_name(kActivationNames, name, what);
+}
+ActQuant parse_act_quant(std::string_view name, std::string_view what) {
+  return parse_name(kActQuantNames, name, what);
+}
+
+void MoeProblem::validate() const {
+  check(num_experts >= 1, "MoeProblem.num_experts (E) must be >= 1, got ", num_experts);
+  check(hidden >= 16 && hidden % 16 == 0,
+        "MoeProblem.hidden (H) must be a multiple of 16 and >= 16 (the NVFP4 block size), got ", hidden);
+  check(inter >= 16 && inter % 16 == 0,
+        "MoeProblem.inter (I) must be a multiple of 16 and >= 16 (the NVFP4 block size), got ", inter);
+  const int k = routing.top_k;
+  check(k >= 1 && k <= 32, "MoeProblem.routing.top_k (k) must be in [1, 32], got ", k);
+  check(k <= num_experts, "MoeProblem.routing.top_k (k) must be <= num_experts (E = ", num_experts,
+        "), got ", k);
+
+  if (routing.method == RoutingMethod::DeepSeekV3) {
+    const int ng = routing.n_group;
+    check(ng >= 1, "MoeProblem.routing.n_group must be >= 1 for deepseek_v3, got ", ng);
+    check(num_experts % ng == 0, "MoeProblem.routing.n_group must divide num_experts (E = ",
+          num_experts, ") for deepseek_v3, got ", ng);
+    check(routing.topk_group >= 1 && routing.topk_group <= ng,
+          "MoeProblem.routing.topk_group must be in [1, n_group = ", ng, "] for deepseek_v3, got ",
+          routing.topk_group);
+    const int64_t kept = static_cast<int64_t>(routing.topk_group) * (num_experts / ng);
+    check(k <= kept, "MoeProblem.routing.top_k (k) must be <= topk_group * (E / n_group) = ", kept,
+          " (the experts of the kept groups) for deepseek_v3, got ", k);
+    check(std::isfinite(routing.routed_scaling_factor) && routing.routed_scaling_factor > 0.0f,
+          "MoeProblem.routing.routed_scaling_factor must be finite and > 0, got ",
+          routing.routed_scaling_factor);
+  }
+  if (routing.method == RoutingMethod::Llama4)
+    check(k == 1, "MoeProblem.routing.top_k (k) must be 1 for llama4 routing, got ", k);
+  if (routing.apply_router_weight_on_input)
+    check(k == 1,
+          "MoeProblem.routing.apply_router_weight_on_input needs top_k (k) == 1, got k = ", k);
+
+  if (activation.kind == Activation::SwiGLUOai) {
+    check(std::isfinite(activation.swiglu_alpha),
+          "MoeProblem.activation.swiglu_alpha must be finite, got ", activation.swiglu_alpha);
+    check(std::isfinite(activation.swiglu_beta),
+          "MoeProblem.activation.swiglu_beta must be finite, got ", activation.swiglu_beta);
+    check(std::isfinite(activation.swiglu_limit),
+          "MoeProblem.activation.swiglu_limit must be finite, got ", activation.swiglu_limit);
+  }
+}
+
+std::string MoeProblem::describe() const {
+  std::ostringstream os;
+  os << "E=" << num_experts << " H=" << hidden << " I=" << inter << " k=" << routing.top_k
+     << " routing=" << to_string(routing.method);
+  std::ostringstream extra;
+  if (routing.method == RoutingMethod::DeepSeekV3)
+    extra << "n_group=" << routing.n_group << ",topk_group=" << routing.topk_group
+          << ",scale=" << routing.routed_scaling_factor;
+  if (routing.apply_router_weight_on_input)
+    extra << (extra.tellp() > 0 ? "," : "") << "weight_on_input";
+  if (extra.tellp() > 0) os << '(' << extra.str() << ')';
+  os << " act=" << to_string(activation.kind);
+  if (activation.kind == Activation::SwiGLUOai)
+    os << "(alpha=" << activation.swiglu_alpha << ",beta=" << activation.swiglu_beta
+       << ",limit=" << activation.swiglu_limit << ')';
+  os << " quant=" << to_string(act_quant);
+  return os.str();
+}
+
+}  // namespace fp4moe
