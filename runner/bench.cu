@@ -2,7 +2,8 @@
 //
 // Steps of bench_model:
 //   1. random NVFP4 weights for the whole model (io::make_random_packed_case), one runner, prepared once
-//   2. per T: fresh random hidden states and logits, one checked forward (experts hit from its routing)
+//   2. per T: fresh random hidden states and logits, one forward whose first tokens are checked against
+//      the CPU reference (experts hit from its routing)
 //   3. capture one forward in a CUDA graph; warm-up replays; then `reps` replays, each after an L2
 //      flush, each timed with its own event pair -> median, min
 //   4. an instrumented run (forward_marked, events between stages) -> stage times (median of 5)
@@ -11,6 +12,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <set>
 #include <vector>
@@ -18,6 +20,7 @@
 #include "fp4moe/bench.hpp"
 #include "fp4moe/case_file.hpp"
 #include "fp4moe/format.hpp"
+#include "fp4moe/reference.hpp"
 #include "fp4moe/runner.hpp"
 
 namespace fp4moe {
@@ -57,6 +60,32 @@ double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   const size_t n = v.size();
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+// Checks the first few tokens of a benchmark forward against the CPU reference (routing identical,
+// output within the layer tolerance of tests/runner: relative L2 < 5e-3). Throws on a mismatch.
+void refcheck(const io::MoeCase& weights, const std::vector<uint16_t>& hidden, const std::vector<float>& logits,
+              const std::vector<float>& bias, int64_t T, const void* d_ids, const void* d_out) {
+  const MoeProblem& p = weights.problem;
+  const int64_t n = std::min<int64_t>(T, 4), H = p.hidden, k = p.top_k();
+  reference::RouterInput router;
+  router.logits = logits.data();
+  router.bias = bias.empty() ? nullptr : bias.data();
+  const reference::MoeResult ref = reference::moe_forward(p, n, hidden.data(), router, weights.weights());
+  std::vector<int32_t> ids(n * k);
+  std::vector<uint16_t> out(n * H);
+  ck(cudaMemcpy(ids.data(), d_ids, ids.size() * 4, cudaMemcpyDeviceToHost), "download ids");
+  ck(cudaMemcpy(out.data(), d_out, out.size() * 2, cudaMemcpyDeviceToHost), "download output");
+  check(ids == ref.topk_ids, "bench refcheck: topk_ids differ from the CPU reference");
+  double num = 0, den = 0;
+  for (int64_t i = 0; i < n * H; ++i) {
+    const double g = format::bf16_to_float(out[i]), r = format::bf16_to_float(ref.output[i]);
+    num += (g - r) * (g - r);
+    den += r * r;
+  }
+  const double rel = std::sqrt(num / std::max(den, 1e-30));
+  check(rel < 5e-3, "bench refcheck: output of the first ", n, " tokens has relative L2 error ", rel,
+        " against the CPU reference (limit 5e-3)");
 }
 
 }  // namespace
@@ -136,7 +165,6 @@ std::vector<BenchRow> bench_model(const std::string& model, const MoeProblem& p,
   io::MoeCase weights = io::make_random_packed_case(p, 0, opt.seed);
   auto runner = MoeRunner::create(p, max_t);
   if (Status s = runner->prepare_weights(weights.weights()); !s.ok()) throw Error(s.message);
-  weights = io::MoeCase{};  // host copy no longer needed
 
   cudaStream_t stream;
   ck(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
@@ -183,6 +211,8 @@ std::vector<BenchRow> bench_model(const std::string& model, const MoeProblem& p,
     a.workspace_bytes = ws_bytes;
     if (Status s = runner->forward(stream, a); !s.ok()) throw Error(s.message);
     ck(cudaStreamSynchronize(stream), "forward");
+
+    refcheck(weights, h, lg, bs, T, ids.ptr, out.ptr);
 
     BenchRow row;
     row.model = model;
