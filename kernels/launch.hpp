@@ -44,7 +44,8 @@ cudaError_t launch_route(const RouteArgs& args, cudaStream_t stream);
 // Expert-major, stable (within an expert, rows ascend by entry index t*k+j), computed on the device.
 // The tile table lists the GEMM row tiles: tile i covers rows [tile_row_start[i], +tile_rows) of
 // expert tile_expert[i], clipped to the expert's end. *num_tiles is written on the device; at most
-// max_tiles(T*k, E, tile_rows) tiles exist.
+// max_tiles(T*k, E, tile_rows) tiles exist. Ids outside [0, E) (bad precomputed routing) are placed
+// after every expert: expert_offsets[E] counts the valid entries only, their rows belong to no expert.
 struct PermuteArgs {
   const int32_t* topk_ids = nullptr;  // [T, k]
   int num_tokens = 0;
@@ -87,6 +88,8 @@ struct GatherArgs {
   int num_tokens = 0;
   int top_k = 0;
   int hidden_size = 0;
+  int num_experts = 0;                    // E, the bound of topk_ids (required by w4a4_per_expert;
+                                          // a row whose id is outside [0, E) gets NaN values)
   ActQuant mode = ActQuant::W4A16;
   bool scale_by_weight = false;           // apply_router_weight_on_input: x' = bf16(x * bf16(w))
   __nv_bfloat16* a1 = nullptr;            // [T*k, H]

@@ -298,6 +298,7 @@ Status GpuMoeRunner::run(cudaStream_t stream, const ForwardArgs& a, bool routed,
   g.num_tokens = T;
   g.top_k = k;
   g.hidden_size = static_cast<int>(p.hidden);
+  g.num_experts = E;
   g.mode = p.act_quant;
   g.scale_by_weight = p.routing.apply_router_weight_on_input;
   g.a1 = region<__nv_bfloat16>(ws, plan.a1);

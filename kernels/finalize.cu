@@ -1,0 +1,67 @@
+// kernels/finalize.cu — out[t] = bf16(sum_j w[t,j] * y[t*k+j]) (DESIGN.md §1 step 6).
+//
+// One thread per 8 consecutive columns of one token: for each slot j in order it loads 8 fp32 of
+// y[t*k+j] (two 16-byte loads) and accumulates acc = acc + w * y with separately rounded fp32
+// operations (__fmul_rn / __fadd_rn: never contracted into an FMA), starting from acc = 0 like the CPU
+// reference; then one 16-byte store of 8 bf16 (RNE). No atomics: deterministic.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels/launch.hpp"
+
+namespace fp4moe::kernels {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kCols = 8;  // columns per thread
+
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+  return static_cast<uint32_t>(__bfloat16_as_ushort(__float2bfloat16_rn(lo))) |
+         (static_cast<uint32_t>(__bfloat16_as_ushort(__float2bfloat16_rn(hi))) << 16);
+}
+
+__global__ void __launch_bounds__(kThreads) finalize_kernel(const FinalizeArgs a) {
+  const int64_t H = a.hidden_size, groups = H / kCols;
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  if (i >= static_cast<int64_t>(a.num_tokens) * groups) return;
+  const int64_t t = i / groups, c = (i % groups) * kCols;
+  const int k = a.top_k;
+  float acc[kCols];
+#pragma unroll
+  for (int q = 0; q < kCols; ++q) acc[q] = 0.0f;
+  for (int j = 0; j < k; ++j) {
+    const int64_t entry = t * k + j;
+    const float w = a.unit_weights ? 1.0f : a.topk_weights[entry];
+    const float4* src = reinterpret_cast<const float4*>(a.y + entry * H + c);
+    const float4 y0 = src[0], y1 = src[1];
+    const float y[kCols] = {y0.x, y0.y, y0.z, y0.w, y1.x, y1.y, y1.z, y1.w};
+#pragma unroll
+    for (int q = 0; q < kCols; ++q) acc[q] = __fadd_rn(acc[q], __fmul_rn(w, y[q]));
+  }
+  *reinterpret_cast<uint4*>(a.out + t * H + c) =
+      make_uint4(pack_bf16x2(acc[0], acc[1]), pack_bf16x2(acc[2], acc[3]), pack_bf16x2(acc[4], acc[5]),
+                 pack_bf16x2(acc[6], acc[7]));
+}
+
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) % 16) == 0; }
+
+}  // namespace
+
+cudaError_t launch_finalize(const FinalizeArgs& a, cudaStream_t stream) {
+  // H is a multiple of 16 at the API; 8 columns per thread only need H % 8 == 0.
+  if (a.num_tokens < 0 || a.top_k < 1 || a.hidden_size < 0 || a.hidden_size % kCols != 0)
+    return cudaErrorInvalidValue;
+  const int64_t threads = static_cast<int64_t>(a.num_tokens) * (a.hidden_size / kCols);
+  if (threads == 0) return cudaSuccess;
+  if (a.y == nullptr || a.out == nullptr || (!a.unit_weights && a.topk_weights == nullptr))
+    return cudaErrorInvalidValue;
+  if (!aligned16(a.y) || !aligned16(a.out)) return cudaErrorMisalignedAddress;
+  const int64_t blocks = (threads + kThreads - 1) / kThreads;
+  if (blocks > 0x7FFFFFFF) return cudaErrorInvalidValue;
+  finalize_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(a);
+  return cudaGetLastError();
+}
+
+}  // namespace fp4moe::kernels

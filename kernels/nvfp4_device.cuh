@@ -1,0 +1,155 @@
+// kernels/nvfp4_device.cuh — device-side NVFP4 codecs and block quantization, bit-exact with
+// include/fp4moe/format.hpp (format/codecs.cpp, format/nvfp4.cpp) and DESIGN.md §1.
+//
+// Quantizing one block of 16 values x with the global inverse scale gs = 1 / input_scale:
+//   1. amax = max |x_i|, NaN-propagating (a NaN element makes amax NaN)
+//   2. sf   = e4m3_rne_satfinite(gs * (amax * (1.0f/6.0f)))
+//   3. osc  = (sf == 0) ? 0 : 1 / (float(sf) * (1 / gs))
+//   4. q_i  = e2m1_rne_satfinite(x_i * osc); element 2j in the low nibble of byte j
+// Every step is one IEEE fp32 operation with round-to-nearest-even, written with the __fmul_rn /
+// __fdiv_rn intrinsics.
+// NOTE: nvcc contracts a*b+c into an FMA by default; the _rn intrinsics are never contracted, so the
+// results do not depend on the compiler's choices.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace fp4moe::kernels::nvfp4 {
+
+inline constexpr int kBlock = 16;  // elements per e4m3 block scale
+
+// ---- e2m1 -----------------------------------------------------------------------------------------
+// Round-to-nearest-even on the grid {0, 0.5, 1, 1.5, 2, 3, 4, 6}, saturating to +-6. A negative value
+// that rounds to zero keeps its sign (0x8, as does -0); NaN encodes as +6 (0x7).
+// NOTE: sm_90 has no cvt to e2m1 (that instruction is sm_100+), so the interval bounds are explicit.
+__device__ __forceinline__ uint32_t e2m1_from_float(float x) {
+  if (isnan(x)) return 0x7u;
+  const uint32_t sign = (__float_as_uint(x) >> 31) << 3;
+  const float a = fabsf(x);
+  uint32_t mag;
+  if (a <= 0.25f) mag = 0;        // 0.25 tie -> 0
+  else if (a < 0.75f) mag = 1;    // 0.5
+  else if (a <= 1.25f) mag = 2;   // 1.0 (0.75 and 1.25 ties)
+  else if (a < 1.75f) mag = 3;    // 1.5
+  else if (a <= 2.5f) mag = 4;    // 2.0 (1.75 and 2.5 ties)
+  else if (a < 3.5f) mag = 5;     // 3.0
+  else if (a <= 5.0f) mag = 6;    // 4.0 (3.5 and 5 ties)
+  else mag = 7;                   // 6.0, saturating (also +-inf)
+  return sign | mag;
+}
+
+// Decodes the low nibble.
+__device__ __forceinline__ float e2m1_to_float(uint32_t code) {
+  // magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6 = m * 2^(e-1) style; a small switch-free form:
+  const uint32_t mag = code & 0x7u;
+  const uint32_t e = mag >> 1, m = mag & 1u;
+  // e == 0: subnormal m * 0.5; e >= 1: (1 + m/2) * 2^(e-1)
+  const float v = (e == 0) ? (m ? 0.5f : 0.0f)
+                           : __uint_as_float(((e - 1u + 127u) << 23) | (m << 22));
+  return (code & 0x8u) ? -v : v;
+}
+
+// ---- e4m3fn ---------------------------------------------------------------------------------------
+// Round-to-nearest-even, finite values and +-inf saturate to +-448 (satfinite), NaN -> 0x7F.
+// NOTE: cvt.rn.satfinite.e4m3x2.f32 (sm_89+) does the rounding and saturation; NaN is mapped to 0x7F
+// explicitly so that the sign bit of a NaN input never leaks into the code.
+__device__ __forceinline__ uint32_t e4m3_from_float(float x) {
+  if (isnan(x)) return 0x7Fu;
+  uint16_t pair;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(pair) : "f"(0.0f), "f"(x));
+  return static_cast<uint32_t>(pair) & 0xFFu;  // the second source lands in the low byte
+}
+
+// 0x7F / 0xFF decode to NaN.
+__device__ __forceinline__ float e4m3_to_float(uint32_t code) {
+  const uint32_t e = (code >> 3) & 0xFu, m = code & 0x7u;
+  float v;
+  if (e == 0xFu && m == 0x7u) v = __uint_as_float(0x7FC00000u);
+  else if (e == 0) v = __fmul_rn(static_cast<float>(m), 0.001953125f);  // m * 2^-9, exact
+  else v = __uint_as_float(((e - 7u + 127u) << 23) | (m << 20));
+  return (code & 0x80u) ? -v : v;
+}
+
+// ---- block scale ----------------------------------------------------------------------------------
+// gs = 1 / input_scale (input_scale in the dequant direction).
+__device__ __forceinline__ float global_inv_scale(float input_scale) {
+  return __fdiv_rn(1.0f, input_scale);
+}
+
+// NaN-propagating running max of |x|: once amax is NaN it stays NaN.
+__device__ __forceinline__ float amax_update(float amax, float x) {
+  const float a = fabsf(x);
+  return (isnan(a) || a > amax) ? a : amax;
+}
+// Combines two partial maxima (e.g. across lanes), NaN-propagating.
+__device__ __forceinline__ float amax_combine(float a, float b) {
+  return (isnan(b) || b > a) ? b : a;
+}
+
+// e4m3(gs * (amax * (1/6))) — the fp32 constant 1.0f/6.0f, this multiplication order.
+__device__ __forceinline__ uint32_t nvfp4_block_scale(float amax, float gs) {
+  return e4m3_from_float(__fmul_rn(gs, __fmul_rn(amax, 1.0f / 6.0f)));
+}
+
+// osc = (sf == 0) ? 0 : 1 / (float(sf) * (1 / gs)). `inv_gs` is 1 / gs (computed once per scale).
+__device__ __forceinline__ float nvfp4_output_scale(uint32_t sf, float inv_gs) {
+  return sf == 0 ? 0.0f : __fdiv_rn(1.0f, __fmul_rn(e4m3_to_float(sf), inv_gs));
+}
+
+// q = e2m1(x * osc)
+__device__ __forceinline__ uint32_t nvfp4_quantize_value(float x, float osc) {
+  return e2m1_from_float(__fmul_rn(x, osc));
+}
+
+// ---- one block of 16 ------------------------------------------------------------------------------
+struct Block16 {
+  uint32_t packed[2];  // 8 bytes, little-endian: element 2j in the low nibble of byte j
+  uint32_t sf;         // e4m3 code of the block scale
+};
+
+// Quantizes 16 consecutive values with gs = 1 / input_scale (and inv_gs = 1 / gs).
+__device__ __forceinline__ Block16 quantize_block16(const float (&x)[kBlock], float gs, float inv_gs) {
+  float amax = 0.0f;
+#pragma unroll
+  for (int i = 0; i < kBlock; ++i) amax = amax_update(amax, x[i]);
+  Block16 out;
+  out.sf = nvfp4_block_scale(amax, gs);
+  const float osc = nvfp4_output_scale(out.sf, inv_gs);
+#pragma unroll
+  for (int w = 0; w < 2; ++w) {
+    uint32_t word = 0;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) word |= nvfp4_quantize_value(x[8 * w + i], osc) << (4 * i);
+    out.packed[w] = word;
+  }
+  return out;
+}
+
+// Quantizes 16 values and returns the dequantized values q * float(sf) in place (no global scale).
+// These are exact in bf16 (an e2m1 value times an e4m3 value has at most 6 significant bits).
+// Returns the block scale code.
+__device__ __forceinline__ uint32_t fake_quantize_block16(float (&x)[kBlock], float gs, float inv_gs) {
+  float amax = 0.0f;
+#pragma unroll
+  for (int i = 0; i < kBlock; ++i) amax = amax_update(amax, x[i]);
+  const uint32_t sf = nvfp4_block_scale(amax, gs);
+  const float osc = nvfp4_output_scale(sf, inv_gs);
+  const float sf_value = e4m3_to_float(sf);
+#pragma unroll
+  for (int i = 0; i < kBlock; ++i)
+    x[i] = __fmul_rn(e2m1_to_float(nvfp4_quantize_value(x[i], osc)), sf_value);
+  return sf;
+}
+
+// Dequantizes a Block16: out[i] = e2m1(q_i) * float(sf).
+__device__ __forceinline__ void dequantize_block16(const Block16& b, float (&out)[kBlock]) {
+  const float sf_value = e4m3_to_float(b.sf);
+#pragma unroll
+  for (int i = 0; i < kBlock; ++i)
+    out[i] = __fmul_rn(e2m1_to_float(b.packed[i / 8] >> (4 * (i % 8))), sf_value);
+}
+
+}  // namespace fp4moe::kernels::nvfp4

@@ -1,0 +1,293 @@
+// kernels/permute.cu — expert-major, stable permutation of the (token, slot) entries, computed on the
+// device without host synchronisation, plus the GEMM row-tile table.
+//
+// Entries are cut into chunks of kChunk; a block of 16 warps handles one chunk, warp w the w-th run of
+// 256 consecutive entries, 32 at a time. Ids outside [0, E) go to an extra bucket E placed after all
+// experts: expert_offsets[E] counts the valid entries only, and those rows belong to no expert (the
+// GEMMs skip them), but row_to_entry / entry_to_row stay full permutations.
+//   one chunk (T*k <= kChunk), one launch: permute_fused_kernel does every step below in one block.
+//   otherwise, three launches:
+//     1. permute_count_kernel   per chunk: bucket counts -> scratch[chunk][E+1]
+//     2. permute_scan_kernel    one block: per bucket, exclusive scan over chunks (in place); bucket
+//                               totals -> exclusive scan -> expert_offsets; the tile table
+//     3. permute_scatter_kernel per chunk: per-warp bucket counts (match_any), exclusive scan over the
+//                               warps from expert_offsets + the chunk's base, then each warp ranks its
+//                               entries in order (rank = lanes before it with the same bucket) and
+//                               writes row_to_entry[row] = entry, entry_to_row[entry] = row.
+// Every step is integer arithmetic in a fixed order: the result is deterministic and stable.
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels/launch.hpp"
+
+namespace fp4moe::kernels {
+namespace {
+
+constexpr int kWarps = 16;
+constexpr int kThreads = kWarps * 32;
+constexpr int kStepsPerWarp = 8;
+constexpr int kChunk = kWarps * kStepsPerWarp * 32;  // 4096 entries per block
+constexpr int kMaxExperts = 512;
+constexpr int kMaxBuckets = kMaxExperts + 1;          // + the bucket of invalid ids
+constexpr unsigned kFull = 0xFFFFFFFFu;
+
+struct PermuteShared {
+  int32_t hist[kWarps][kMaxBuckets];  // per-warp bucket counts, then running row bases
+  int32_t offsets[kMaxBuckets + 1];   // bucket start rows (fused kernel)
+  int32_t tile_off[kMaxExperts + 1];  // first tile of each expert
+  int32_t warp_sums[kWarps];
+};
+
+__device__ __forceinline__ int bucket_of(int32_t id, int num_experts) {
+  return (id >= 0 && id < num_experts) ? id : num_experts;
+}
+
+// Exclusive scan over the block of two values per thread (a0 then a1, thread order). Returns the
+// prefix of a0 (a1's is that + a0) and the block total. Contains __syncthreads.
+__device__ int32_t block_exclusive_scan2(int32_t a0, int32_t a1, int32_t& total, int32_t* warp_sums) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int32_t local = a0 + a1;
+  int32_t incl = local;
+#pragma unroll
+  for (int off = 1; off < 32; off <<= 1) {
+    const int32_t v = __shfl_up_sync(kFull, incl, off);
+    if (lane >= off) incl += v;
+  }
+  __syncthreads();  // warp_sums may still be read by a previous scan
+  if (lane == 31) warp_sums[warp] = incl;
+  __syncthreads();
+  int32_t warp_prefix = 0;
+  total = 0;
+  for (int w = 0; w < kWarps; ++w) {
+    const int32_t s = warp_sums[w];
+    if (w < warp) warp_prefix += s;
+    total += s;
+  }
+  return warp_prefix + incl - local;
+}
+
+// Phase A: hist[w][b] = number of entries of warp w's run in bucket b. hist must be zeroed.
+__device__ void count_runs(const int32_t* ids, int64_t chunk_begin, int64_t chunk_end, int num_experts,
+                           PermuteShared& sh) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int64_t run = chunk_begin + static_cast<int64_t>(warp) * kStepsPerWarp * 32;
+  for (int step = 0; step < kStepsPerWarp; ++step) {
+    const int64_t first = run + step * 32;
+    if (first >= chunk_end) break;  // warp-uniform
+    const int64_t entry = first + lane;
+    const bool valid = entry < chunk_end;
+    const int b = valid ? bucket_of(ids[entry], num_experts) : -1;
+    const unsigned same = __match_any_sync(kFull, b);
+    if (valid && lane == __ffs(same) - 1) sh.hist[warp][b] += __popc(same);
+    __syncwarp();
+  }
+}
+
+// Phase B: hist[w][b] <- base(b) + sum of hist[w'][b] for w' < w.
+template <typename BaseFn>
+__device__ void scan_runs(int num_buckets, PermuteShared& sh, BaseFn base) {
+  for (int b = threadIdx.x; b < num_buckets; b += kThreads) {
+    int32_t running = base(b);
+    for (int w = 0; w < kWarps; ++w) {
+      const int32_t c = sh.hist[w][b];
+      sh.hist[w][b] = running;
+      running += c;
+    }
+  }
+}
+
+// Phase C: rows of the warp's run, in entry order.
+__device__ void scatter_runs(const int32_t* ids, int64_t chunk_begin, int64_t chunk_end, int num_experts,
+                             PermuteShared& sh, int32_t* row_to_entry, int32_t* entry_to_row) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int64_t run = chunk_begin + static_cast<int64_t>(warp) * kStepsPerWarp * 32;
+  const unsigned lower = (1u << lane) - 1u;
+  for (int step = 0; step < kStepsPerWarp; ++step) {
+    const int64_t first = run + step * 32;
+    if (first >= chunk_end) break;
+    const int64_t entry = first + lane;
+    const bool valid = entry < chunk_end;
+    const int b = valid ? bucket_of(ids[entry], num_experts) : -1;
+    const unsigned same = __match_any_sync(kFull, b);
+    int32_t base = 0;
+    if (valid) base = sh.hist[warp][b];
+    __syncwarp();
+    if (valid) {
+      const int32_t row = base + __popc(same & lower);
+      if (lane == __ffs(same) - 1) sh.hist[warp][b] = base + __popc(same);
+      row_to_entry[row] = static_cast<int32_t>(entry);
+      entry_to_row[entry] = row;
+    }
+    __syncwarp();
+  }
+}
+
+__device__ void zero_hist(int num_buckets, PermuteShared& sh) {
+  for (int i = threadIdx.x; i < kWarps * num_buckets; i += kThreads) sh.hist[i / num_buckets][i % num_buckets] = 0;
+}
+
+// From the bucket offsets (offsets[0..E], offsets[E] = valid entries): expert_offsets and the tile
+// table. Every thread of the block calls it.
+__device__ void write_offsets_and_tiles(const int32_t* offsets, int num_experts, int tile_rows,
+                                        const PermuteArgs& a, PermuteShared& sh) {
+  for (int e = threadIdx.x; e <= num_experts; e += kThreads) a.expert_offsets[e] = offsets[e];
+  // tiles per expert, two experts per thread (E <= 512 <= 2 * kThreads)
+  int32_t nt[2];
+#pragma unroll
+  for (int q = 0; q < 2; ++q) {
+    const int e = 2 * threadIdx.x + q;
+    nt[q] = e < num_experts ? (offsets[e + 1] - offsets[e] + tile_rows - 1) / tile_rows : 0;
+  }
+  int32_t total = 0;
+  const int32_t first = block_exclusive_scan2(nt[0], nt[1], total, sh.warp_sums);
+#pragma unroll
+  for (int q = 0; q < 2; ++q) {
+    const int e = 2 * threadIdx.x + q;
+    if (e < num_experts) sh.tile_off[e] = first + (q == 1 ? nt[0] : 0);
+  }
+  if (threadIdx.x == 0) {
+    sh.tile_off[num_experts] = total;
+    *a.num_tiles = total;
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < total; i += kThreads) {
+    // the last expert whose first tile is <= i (experts without tiles share their successor's start)
+    int lo = 0, hi = num_experts - 1;
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (sh.tile_off[mid] <= i) lo = mid;
+      else hi = mid - 1;
+    }
+    a.tile_expert[i] = lo;
+    a.tile_row_start[i] = offsets[lo] + (i - sh.tile_off[lo]) * tile_rows;
+  }
+}
+
+// ---- one chunk: everything in one block ------------------------------------------------------------
+__global__ void __launch_bounds__(kThreads) permute_fused_kernel(const PermuteArgs a) {
+  __shared__ PermuteShared sh;
+  const int E = a.num_experts, nb = E + 1;
+  const int64_t n = static_cast<int64_t>(a.num_tokens) * a.top_k;
+  zero_hist(nb, sh);
+  __syncthreads();
+  count_runs(a.topk_ids, 0, n, E, sh);
+  __syncthreads();
+  // bucket totals, two buckets per thread (nb <= 513 <= 2 * kThreads), scanned into offsets
+  int32_t cnt[2];
+#pragma unroll
+  for (int q = 0; q < 2; ++q) {
+    const int b = 2 * threadIdx.x + q;
+    cnt[q] = 0;
+    if (b < nb)
+      for (int w = 0; w < kWarps; ++w) cnt[q] += sh.hist[w][b];
+  }
+  int32_t total = 0;
+  const int32_t first = block_exclusive_scan2(cnt[0], cnt[1], total, sh.warp_sums);
+#pragma unroll
+  for (int q = 0; q < 2; ++q) {
+    const int b = 2 * threadIdx.x + q;
+    if (b < nb) sh.offsets[b] = first + (q == 1 ? cnt[0] : 0);
+  }
+  __syncthreads();
+  write_offsets_and_tiles(sh.offsets, E, a.tile_rows, a, sh);
+  scan_runs(nb, sh, [&](int b) { return sh.offsets[b]; });
+  __syncthreads();
+  scatter_runs(a.topk_ids, 0, n, E, sh, a.row_to_entry, a.entry_to_row);
+}
+
+// ---- several chunks ------------------------------------------------------------------------------
+__global__ void __launch_bounds__(kThreads) permute_count_kernel(const PermuteArgs a) {
+  __shared__ int32_t counts[kMaxBuckets];
+  const int E = a.num_experts, nb = E + 1;
+  const int64_t n = static_cast<int64_t>(a.num_tokens) * a.top_k;
+  const int64_t begin = static_cast<int64_t>(blockIdx.x) * kChunk;
+  const int64_t end = begin + kChunk < n ? begin + kChunk : n;
+  for (int b = threadIdx.x; b < nb; b += kThreads) counts[b] = 0;
+  __syncthreads();
+  for (int64_t i = begin + threadIdx.x; i < end; i += kThreads) atomicAdd(&counts[bucket_of(a.topk_ids[i], E)], 1);
+  __syncthreads();
+  int32_t* out = static_cast<int32_t*>(a.scratch) + static_cast<int64_t>(blockIdx.x) * nb;
+  for (int b = threadIdx.x; b < nb; b += kThreads) out[b] = counts[b];
+}
+
+__global__ void __launch_bounds__(kThreads) permute_scan_kernel(const PermuteArgs a, int num_chunks) {
+  __shared__ PermuteShared sh;
+  const int E = a.num_experts, nb = E + 1;
+  int32_t* scratch = static_cast<int32_t*>(a.scratch);
+  int32_t cnt[2];
+#pragma unroll
+  for (int q = 0; q < 2; ++q) {
+    const int b = 2 * threadIdx.x + q;
+    int32_t running = 0;
+    if (b < nb) {
+      for (int c = 0; c < num_chunks; ++c) {
+        int32_t* p = scratch + static_cast<int64_t>(c) * nb + b;
+        const int32_t v = *p;
+        *p = running;  // the chunk's first row within the bucket
+        running += v;
+      }
+    }
+    cnt[q] = running;
+  }
+  int32_t total = 0;
+  const int32_t first = block_exclusive_scan2(cnt[0], cnt[1], total, sh.warp_sums);
+#pragma unroll
+  for (int q = 0; q < 2; ++q) {
+    const int b = 2 * threadIdx.x + q;
+    if (b < nb) sh.offsets[b] = first + (q == 1 ? cnt[0] : 0);
+  }
+  __syncthreads();
+  write_offsets_and_tiles(sh.offsets, E, a.tile_rows, a, sh);
+}
+
+__global__ void __launch_bounds__(kThreads) permute_scatter_kernel(const PermuteArgs a) {
+  __shared__ PermuteShared sh;
+  const int E = a.num_experts, nb = E + 1;
+  const int64_t n = static_cast<int64_t>(a.num_tokens) * a.top_k;
+  const int64_t begin = static_cast<int64_t>(blockIdx.x) * kChunk;
+  const int64_t end = begin + kChunk < n ? begin + kChunk : n;
+  const int32_t* chunk_base = static_cast<const int32_t*>(a.scratch) + static_cast<int64_t>(blockIdx.x) * nb;
+  zero_hist(nb, sh);
+  __syncthreads();
+  count_runs(a.topk_ids, begin, end, E, sh);
+  __syncthreads();
+  // expert_offsets[E] is the start of the invalid-id bucket
+  scan_runs(nb, sh, [&](int b) { return a.expert_offsets[b] + chunk_base[b]; });
+  __syncthreads();
+  scatter_runs(a.topk_ids, begin, end, E, sh, a.row_to_entry, a.entry_to_row);
+}
+
+int64_t num_chunks(int64_t num_entries) { return (num_entries + kChunk - 1) / kChunk; }
+
+}  // namespace
+
+size_t permute_scratch_bytes(int64_t num_entries, int64_t num_experts) {
+  if (num_entries <= kChunk) return 0;  // the fused path needs no scratch
+  return static_cast<size_t>(num_chunks(num_entries) * (num_experts + 1)) * sizeof(int32_t);
+}
+
+cudaError_t launch_permute(const PermuteArgs& a, cudaStream_t stream) {
+  if (a.num_tokens < 0 || a.top_k < 1 || a.num_experts < 1 || a.num_experts > kMaxExperts || a.tile_rows < 1)
+    return cudaErrorInvalidValue;
+  const int64_t n = static_cast<int64_t>(a.num_tokens) * a.top_k;
+  if (n > INT32_MAX) return cudaErrorInvalidValue;
+  if (a.expert_offsets == nullptr || a.num_tiles == nullptr) return cudaErrorInvalidValue;
+  if (n > 0 && (a.topk_ids == nullptr || a.row_to_entry == nullptr || a.entry_to_row == nullptr ||
+                a.tile_expert == nullptr || a.tile_row_start == nullptr))
+    return cudaErrorInvalidValue;
+  // NOTE: T = 0 still launches the fused kernel: expert_offsets (all zero) and num_tiles (0) must be
+  // written for the GEMMs that follow.
+  if (n <= kChunk) {
+    permute_fused_kernel<<<1, kThreads, 0, stream>>>(a);
+    return cudaGetLastError();
+  }
+  if (a.scratch == nullptr) return cudaErrorInvalidValue;
+  const int64_t chunks = num_chunks(n);
+  permute_count_kernel<<<static_cast<unsigned>(chunks), kThreads, 0, stream>>>(a);
+  permute_scan_kernel<<<1, kThreads, 0, stream>>>(a, static_cast<int>(chunks));
+  permute_scatter_kernel<<<static_cast<unsigned>(chunks), kThreads, 0, stream>>>(a);
+  return cudaGetLastError();
+}
+
+}  // namespace fp4moe::kernels

@@ -1,0 +1,152 @@
+// kernels/quantize.cu — NVFP4 activation quantization (bit-identical to format::quantize_nvfp4 and
+// format::scales_linear_to_swizzled) and the permuted gather that builds the GEMM1 A operand.
+//
+// quantize_nvfp4_kernel: one thread per 16-element block. It loads the block's 16 bf16 with two 16-byte
+// loads, quantizes them (kernels/nvfp4_device.cuh), stores the 8 packed bytes with one 8-byte store
+// and the scale byte at its linear or 128x4-swizzled offset. In the swizzled layout the grid covers
+// the padded [ceil(rows/128)*128, ceil(cols/16/4)*4] scale matrix, and the threads of padding
+// positions write a zero scale byte.
+//
+// gather_quantize_kernel: one thread per (permuted row r, 16-element block). entry = row_to_entry[r],
+// token t = entry / k; x = hidden[t] (times bf16(w[entry]) rounded to bf16 when scale_by_weight);
+// w4a16 writes x, w4a4 writes the q*sf values of NVFP4(x) with input_scale[0] (scalar mode) or
+// input_scale[topk_ids[entry]] (per-expert mode) — q*sf is exact in bf16. Rows whose expert id is out
+// of range take a NaN scale in per-expert mode (the token is poisoned; memory stays safe).
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels/launch.hpp"
+#include "kernels/nvfp4_device.cuh"
+
+namespace fp4moe::kernels {
+namespace {
+
+constexpr int kThreads = 256;
+
+// 16 bf16 (two uint4) -> 16 floats; element 2i is the low half of word i.
+__device__ __forceinline__ void load_bf16x16(const __nv_bfloat16* src, float (&v)[16]) {
+  const uint4* p = reinterpret_cast<const uint4*>(src);
+  const uint4 lo = p[0], hi = p[1];
+  const uint32_t w[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    v[2 * i] = __uint_as_float(w[i] << 16);
+    v[2 * i + 1] = __uint_as_float(w[i] & 0xFFFF0000u);
+  }
+}
+
+__device__ __forceinline__ uint32_t bf16_bits(float x) {
+  return static_cast<uint32_t>(__bfloat16_as_ushort(__float2bfloat16_rn(x)));
+}
+
+// 16 floats (exactly representable in bf16, or rounded RNE) -> two uint4 stores.
+__device__ __forceinline__ void store_bf16x16(__nv_bfloat16* dst, const float (&v)[16]) {
+  uint32_t w[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) w[i] = bf16_bits(v[2 * i]) | (bf16_bits(v[2 * i + 1]) << 16);
+  uint4* p = reinterpret_cast<uint4*>(dst);
+  p[0] = make_uint4(w[0], w[1], w[2], w[3]);
+  p[1] = make_uint4(w[4], w[5], w[6], w[7]);
+}
+
+// Swizzled offset of (m, k) in a [row_tiles*128, kt*4] scale matrix (one batch).
+__device__ __forceinline__ int64_t swizzled_offset(int64_t m, int64_t k, int64_t kt) {
+  return (m / 128) * kt * 512 + (k / 4) * 512 + (m % 32) * 16 + ((m % 128) / 32) * 4 + k % 4;
+}
+
+__global__ void __launch_bounds__(kThreads)
+    quantize_nvfp4_kernel(const __nv_bfloat16* __restrict__ x, int64_t rows, int64_t cols,
+                          const float* __restrict__ input_scale, uint8_t* __restrict__ packed,
+                          uint8_t* __restrict__ scales, bool swizzled) {
+  const int64_t nb = cols / nvfp4::kBlock;                  // scale columns
+  const int64_t grid_cols = swizzled ? (nb + 3) / 4 * 4 : nb;
+  const int64_t grid_rows = swizzled ? (rows + 127) / 128 * 128 : rows;
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  if (i >= grid_rows * grid_cols) return;
+  const int64_t m = i / grid_cols, b = i % grid_cols;
+  const int64_t scale_at = swizzled ? swizzled_offset(m, b, grid_cols / 4) : m * nb + b;
+  if (m >= rows || b >= nb) {  // swizzled padding
+    scales[scale_at] = 0;
+    return;
+  }
+  float v[16];
+  load_bf16x16(x + m * cols + b * nvfp4::kBlock, v);
+  const float gs = nvfp4::global_inv_scale(*input_scale);
+  const float inv_gs = __fdiv_rn(1.0f, gs);
+  const nvfp4::Block16 q = nvfp4::quantize_block16(v, gs, inv_gs);
+  *reinterpret_cast<uint2*>(packed + m * (cols / 2) + b * 8) = make_uint2(q.packed[0], q.packed[1]);
+  scales[scale_at] = static_cast<uint8_t>(q.sf);
+}
+
+__global__ void __launch_bounds__(kThreads) gather_quantize_kernel(const GatherArgs a) {
+  const int64_t H = a.hidden_size, nb = H / nvfp4::kBlock;
+  const int64_t rows = static_cast<int64_t>(a.num_tokens) * a.top_k;
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  if (i >= rows * nb) return;
+  const int64_t r = i / nb, b = i % nb;
+  const int32_t entry = a.row_to_entry[r];
+  const int64_t t = entry / a.top_k;
+  float v[16];
+  load_bf16x16(a.hidden + t * H + b * nvfp4::kBlock, v);
+  if (a.scale_by_weight) {
+    const float wb = __bfloat162float(__float2bfloat16_rn(a.topk_weights[entry]));
+#pragma unroll
+    for (int j = 0; j < 16; ++j) v[j] = __bfloat162float(__float2bfloat16_rn(__fmul_rn(v[j], wb)));
+  }
+  if (a.mode != ActQuant::W4A16) {
+    float s;
+    if (a.mode == ActQuant::W4A4Scalar) {
+      s = a.input_scale[0];
+    } else {
+      const int32_t e = a.topk_ids[entry];
+      s = (e >= 0 && e < a.num_experts) ? a.input_scale[e] : __uint_as_float(0x7FC00000u);
+    }
+    const float gs = nvfp4::global_inv_scale(s);
+    nvfp4::fake_quantize_block16(v, gs, __fdiv_rn(1.0f, gs));
+  }
+  store_bf16x16(a.a1 + r * H + b * nvfp4::kBlock, v);
+}
+
+bool aligned(const void* p, uintptr_t bytes) { return (reinterpret_cast<uintptr_t>(p) % bytes) == 0; }
+
+unsigned grid_for(int64_t threads) { return static_cast<unsigned>((threads + kThreads - 1) / kThreads); }
+
+}  // namespace
+
+cudaError_t launch_quantize_nvfp4(const __nv_bfloat16* x, int64_t rows, int64_t cols,
+                                  const float* input_scale, uint8_t* packed, uint8_t* scales,
+                                  ScaleLayout layout, cudaStream_t stream) {
+  if (rows < 0 || cols < 0 || cols % nvfp4::kBlock != 0) return cudaErrorInvalidValue;
+  if (rows == 0 || cols == 0) return cudaSuccess;  // no scales either: the swizzled size is 0 too
+  if (x == nullptr || input_scale == nullptr || packed == nullptr || scales == nullptr)
+    return cudaErrorInvalidValue;
+  if (!aligned(x, 16) || !aligned(packed, 8)) return cudaErrorMisalignedAddress;
+  const bool swizzled = layout == ScaleLayout::Swizzled128x4;
+  const int64_t nb = cols / nvfp4::kBlock;
+  const int64_t threads = swizzled ? (rows + 127) / 128 * 128 * ((nb + 3) / 4 * 4) : rows * nb;
+  if (grid_for(threads) > 0x7FFFFFFFu) return cudaErrorInvalidValue;
+  quantize_nvfp4_kernel<<<grid_for(threads), kThreads, 0, stream>>>(x, rows, cols, input_scale, packed,
+                                                                     scales, swizzled);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_gather_quantize(const GatherArgs& a, cudaStream_t stream) {
+  if (a.num_tokens < 0 || a.top_k < 1 || a.hidden_size < 0 || a.hidden_size % nvfp4::kBlock != 0)
+    return cudaErrorInvalidValue;
+  const int64_t rows = static_cast<int64_t>(a.num_tokens) * a.top_k;
+  const int64_t threads = rows * (a.hidden_size / nvfp4::kBlock);
+  if (threads == 0) return cudaSuccess;
+  if (a.hidden == nullptr || a.row_to_entry == nullptr || a.a1 == nullptr) return cudaErrorInvalidValue;
+  if (a.scale_by_weight && a.topk_weights == nullptr) return cudaErrorInvalidValue;
+  if (a.mode != ActQuant::W4A16 && a.input_scale == nullptr) return cudaErrorInvalidValue;
+  if (a.mode == ActQuant::W4A4PerExpert && (a.topk_ids == nullptr || a.num_experts < 1))
+    return cudaErrorInvalidValue;
+  if (!aligned(a.hidden, 16) || !aligned(a.a1, 16)) return cudaErrorMisalignedAddress;
+  if (grid_for(threads) > 0x7FFFFFFFu) return cudaErrorInvalidValue;
+  gather_quantize_kernel<<<grid_for(threads), kThreads, 0, stream>>>(a);
+  return cudaGetLastError();
+}
+
+}  // namespace fp4moe::kernels

@@ -1,0 +1,263 @@
+// kernels/route.cu — top-k routing of DESIGN.md §4 on the GPU, the same numerics as
+// reference/routing.cpp (ids identical; weights equal up to the order of the softmax sum over E).
+//
+// One warp per token; expert e = 32*i + lane sits in register slot i of its lane (E <= 512).
+//   1. Load the logits (fp32, or bf16 widened). DeepSeekV3: sig = float(sigmoid(double s)),
+//      c = sig + bias (fp32); the choice score is c, for every other method the raw logit s.
+//   2. DeepSeekV3 with n_group > 1: c goes to shared memory; lanes split into groups (a power of two
+//      of lanes per group), each computes the top-2 c of its group (NaN lowest) and the group score
+//      c1 + c2 (fp32); topk_group rounds of a warp argmax keep the best groups (ties: lower group);
+//      experts of the other groups leave the candidate set.
+//   3. k rounds of a warp argmax over the candidates: the score is mapped to an order-preserving
+//      uint32 (NaN lowest, -0 == +0), redux.sync max picks the best value, redux.sync min the lowest
+//      expert id among equal values. Lane j keeps the id of slot j.
+//   4. Lane j computes the weight of slot j from the logit of its expert (transcendentals in double,
+//      slot sums in slot order by shuffles, the softmax sum over E by a warp tree) and writes it.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels/launch.hpp"
+
+namespace fp4moe::kernels {
+namespace {
+
+constexpr int kWarpsPerBlock = 4;
+constexpr int kMaxExperts = 512;
+constexpr int kMaxTopK = 32;
+constexpr int kMaxGroups = 16;
+constexpr unsigned kFull = 0xFFFFFFFFu;
+
+constexpr uint32_t kKeyNone = 0;  // not a candidate
+constexpr uint32_t kKeyNan = 1;   // NaN: below every number
+
+// Order-preserving map of a float to uint32: larger value -> larger key; -0 and +0 map together;
+// NaN maps to kKeyNan; every number (-inf included) maps to >= 0x007FFFFF.
+__device__ __forceinline__ uint32_t order_key(float x) {
+  if (isnan(x)) return kKeyNan;
+  const uint32_t u = __float_as_uint(x == 0.0f ? 0.0f : x);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+__device__ __forceinline__ float key_value(uint32_t key) {
+  if (key <= kKeyNan) return __uint_as_float(0x7FC00000u);
+  return __uint_as_float((key & 0x80000000u) ? (key & 0x7FFFFFFFu) : ~key);
+}
+
+__device__ __forceinline__ double sigmoid(double x) { return 1.0 / (1.0 + exp(-x)); }
+
+__device__ __forceinline__ float load_logit(const void* logits, bool bf16, int64_t index) {
+  return bf16 ? __bfloat162float(static_cast<const __nv_bfloat16*>(logits)[index])
+              : static_cast<const float*>(logits)[index];
+}
+
+// Sum over the first k lanes in lane order (the CPU's slot order); every lane gets the sum.
+__device__ __forceinline__ double slot_sum(double v, int k) {
+  double sum = 0.0;
+  for (int j = 0; j < k; ++j) sum += __shfl_sync(kFull, v, j);
+  return sum;
+}
+
+// Warp argmax over (key, id): the largest key, ties to the lowest id. Lanes without a candidate pass
+// kKeyNone. Returns the winner's id (every lane), or -1 when no lane has a candidate.
+__device__ __forceinline__ int warp_argmax(uint32_t key, uint32_t id) {
+  const uint32_t best = __reduce_max_sync(kFull, key);
+  const uint32_t win = __reduce_min_sync(kFull, (key == best) ? id : 0xFFFFFFFFu);
+  return best == kKeyNone ? -1 : static_cast<int>(win);
+}
+
+template <int VPT>  // values per lane: E <= 32 * VPT
+__global__ void __launch_bounds__(kWarpsPerBlock * 32)
+    route_kernel(const RouteArgs args) {
+  __shared__ float group_c[kWarpsPerBlock][kMaxExperts];  // DeepSeekV3 grouped selection only
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + warp;
+  if (t >= args.num_tokens) return;  // the whole warp leaves together
+
+  const int E = args.num_experts;
+  const RoutingParams& p = args.params;
+  const int k = p.top_k;
+  const bool deepseek = p.method == RoutingMethod::DeepSeekV3;
+  const int64_t row = t * E;
+
+  // 1. choice scores as order keys
+  uint32_t key[VPT];
+#pragma unroll
+  for (int i = 0; i < VPT; ++i) {
+    const int e = 32 * i + lane;
+    key[i] = kKeyNone;
+    if (e < E) {
+      const float s = load_logit(args.logits, args.logits_bf16, row + e);
+      float score = s;
+      if (deepseek) {
+        const float sig = static_cast<float>(sigmoid(static_cast<double>(s)));
+        score = __fadd_rn(sig, args.bias != nullptr ? args.bias[e] : 0.0f);
+        group_c[warp][e] = score;
+      }
+      key[i] = order_key(score);
+    }
+  }
+
+  // 2. DeepSeekV3 group selection
+  if (deepseek && p.n_group > 1) {
+    __syncwarp();
+    const int ng = p.n_group, gsize = E / ng;
+    int lpg = 1;  // lanes per group: a power of two with lpg * ng <= 32
+    while (lpg * 2 * ng <= 32) lpg *= 2;
+    const int g = lane / lpg, sub = lane % lpg;
+    uint32_t k1 = kKeyNone, k2 = kKeyNone;  // top-2 keys of the group, k1 >= k2
+    if (g < ng) {
+      for (int i = sub; i < gsize; i += lpg) {
+        const uint32_t kc = order_key(group_c[warp][g * gsize + i]);
+        if (kc > k1) {
+          k2 = k1;
+          k1 = kc;
+        } else if (kc > k2) {
+          k2 = kc;
+        }
+      }
+    }
+    for (int off = 1; off < lpg; off <<= 1) {  // merge top-2 within aligned segments of lpg lanes
+      const uint32_t o1 = __shfl_xor_sync(kFull, k1, off), o2 = __shfl_xor_sync(kFull, k2, off);
+      const uint32_t hi = max(k1, o1), mid = max(min(k1, o1), max(k2, o2));
+      k1 = hi;
+      k2 = mid;
+    }
+    // group score = larger c + second c (fp32); lane g*lpg speaks for group g
+    const bool speaker = g < ng && sub == 0;
+    const uint32_t gkey = speaker ? order_key(__fadd_rn(key_value(k1), key_value(k2))) : kKeyNone;
+    uint32_t kept = 0, taken = 0;
+    for (int r = 0; r < p.topk_group; ++r) {
+      const int win = warp_argmax((taken || !speaker) ? kKeyNone : gkey, static_cast<uint32_t>(g));
+      if (win >= 0) {
+        kept |= 1u << win;
+        if (win == g) taken = 1;
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) {
+      const int e = 32 * i + lane;
+      if (e < E && !((kept >> (e / gsize)) & 1u)) key[i] = kKeyNone;
+    }
+  }
+
+  // 3. top-k: slot j's id is kept by lane j
+  int my_id = -1;
+  for (int j = 0; j < k; ++j) {
+    uint32_t best = kKeyNone, best_id = 0xFFFFFFFFu;
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) {
+      if (key[i] > best) {  // strict: the lowest id (lowest i) wins within the lane
+        best = key[i];
+        best_id = 32 * i + lane;
+      }
+    }
+    const int win = warp_argmax(best, best_id);
+    if (win >= 0 && (win & 31) == lane) {
+#pragma unroll
+      for (int i = 0; i < VPT; ++i)
+        if (i == (win >> 5)) key[i] = kKeyNone;
+    }
+    if (lane == j) my_id = win;
+  }
+
+  // 4. weights
+  const bool active = lane < k;
+  const float s = active && my_id >= 0 ? load_logit(args.logits, args.logits_bf16, row + my_id) : 0.0f;
+  double w = 0.0;
+  switch (p.method) {
+    case RoutingMethod::Default:
+    case RoutingMethod::RenormalizeNaive: {
+      const double m = static_cast<double>(__shfl_sync(kFull, s, 0));  // the largest logit
+      double part = 0.0;
+#pragma unroll
+      for (int i = 0; i < VPT; ++i) {
+        const int e = 32 * i + lane;
+        if (e < E) part += exp(static_cast<double>(load_logit(args.logits, args.logits_bf16, row + e)) - m);
+      }
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) part += __shfl_xor_sync(kFull, part, off);
+      const double sum = part;
+      const double pj = exp(static_cast<double>(s) - m) / sum;
+      if (p.method == RoutingMethod::Default) {
+        w = pj;
+      } else {
+        const double psum = slot_sum(active ? pj : 0.0, k);
+        w = pj / psum;
+      }
+      break;
+    }
+    case RoutingMethod::Renormalize: {
+      const double m = static_cast<double>(__shfl_sync(kFull, s, 0));
+      const double ej = exp(static_cast<double>(s) - m);
+      w = ej / slot_sum(active ? ej : 0.0, k);
+      break;
+    }
+    case RoutingMethod::TopK:
+      w = static_cast<double>(s);
+      break;
+    case RoutingMethod::Sigmoid:
+    case RoutingMethod::TopKSigmoid:
+    case RoutingMethod::Llama4:
+      w = sigmoid(static_cast<double>(s));
+      break;
+    case RoutingMethod::SigmoidRenorm: {
+      const double sg = sigmoid(static_cast<double>(s));
+      const double sum = slot_sum(active ? sg : 0.0, k);
+      const double denom = isnan(sum) ? sum : fmax(sum, 1e-20);
+      w = sg / denom;
+      break;
+    }
+    case RoutingMethod::DeepSeekV3: {
+      const double sg = static_cast<double>(static_cast<float>(sigmoid(static_cast<double>(s))));
+      const double sum = slot_sum(active ? sg : 0.0, k);
+      w = sg / (sum + 1e-20) * static_cast<double>(p.routed_scaling_factor);
+      break;
+    }
+    case RoutingMethod::Precomputed:
+      break;  // refused by the launcher
+  }
+  if (active) {
+    args.topk_ids[t * k + lane] = my_id;
+    args.topk_weights[t * k + lane] = __double2float_rn(w);
+  }
+}
+
+bool route_args_valid(const RouteArgs& a) {
+  const RoutingParams& p = a.params;
+  if (p.method == RoutingMethod::Precomputed) return false;
+  if (a.num_tokens < 0 || a.num_experts < 1 || a.num_experts > kMaxExperts) return false;
+  if (p.top_k < 1 || p.top_k > kMaxTopK || p.top_k > a.num_experts) return false;
+  if (a.num_tokens > 0 && (a.logits == nullptr || a.topk_ids == nullptr || a.topk_weights == nullptr))
+    return false;
+  if (p.method == RoutingMethod::Llama4 && p.top_k != 1) return false;
+  if (p.method == RoutingMethod::DeepSeekV3) {
+    const int ng = p.n_group;
+    if (ng < 1 || ng > kMaxGroups || a.num_experts % ng != 0) return false;
+    if (p.topk_group < 1 || p.topk_group > ng) return false;
+    const int gsize = a.num_experts / ng;
+    if (ng > 1 && gsize < 2) return false;
+    if (p.top_k > p.topk_group * gsize) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+cudaError_t launch_route(const RouteArgs& args, cudaStream_t stream) {
+  if (!route_args_valid(args)) return cudaErrorInvalidValue;
+  if (args.num_tokens == 0) return cudaSuccess;
+  const unsigned blocks =
+      static_cast<unsigned>((static_cast<int64_t>(args.num_tokens) + kWarpsPerBlock - 1) / kWarpsPerBlock);
+  const dim3 block(kWarpsPerBlock * 32);
+  if (args.num_experts <= 32)
+    route_kernel<1><<<blocks, block, 0, stream>>>(args);
+  else if (args.num_experts <= 128)
+    route_kernel<4><<<blocks, block, 0, stream>>>(args);
+  else
+    route_kernel<16><<<blocks, block, 0, stream>>>(args);
+  return cudaGetLastError();
+}
+
+}  // namespace fp4moe::kernels

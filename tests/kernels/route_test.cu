@@ -1,0 +1,332 @@
+// tests/kernels/route_test.cu — launch_route against reference::route (DESIGN.md §4).
+//
+// Every routing method, E in {8, 16, 128, 256, 512}, k in {1, 2, 4, 8, 32} (k <= E), fp32 and bf16
+// logits, logits with exact ties, NaN logits, DeepSeekV3 with and without groups, T from 0 to 8193.
+// Outputs are poisoned before each launch; ids must be identical, weights within 1e-6 relative.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "fp4moe/format.hpp"
+#include "fp4moe/problem.hpp"
+#include "fp4moe/reference.hpp"
+#include "kernels/gpu_test_util.hpp"
+#include "kernels/launch.hpp"
+
+namespace fp4moe {
+namespace {
+
+using test::DeviceBuffer;
+
+enum class LogitKind { Normal, Ties, WithNan, AllEqual };
+
+struct RouteCase {
+  RoutingParams params;
+  int T = 1;
+  int E = 8;
+  bool bf16 = false;
+  bool with_bias = false;
+  LogitKind kind = LogitKind::Normal;
+  uint64_t seed = 1;
+
+  std::string describe() const {
+    std::ostringstream os;
+    os << to_string(params.method) << " T=" << T << " E=" << E << " k=" << params.top_k
+       << " n_group=" << params.n_group << " topk_group=" << params.topk_group
+       << " scale=" << params.routed_scaling_factor << (bf16 ? " bf16" : " f32")
+       << (with_bias ? " bias" : "") << " kind=" << static_cast<int>(kind) << " seed=" << seed;
+    return os.str();
+  }
+};
+
+bool weight_close(float got, float want) {
+  if (std::isnan(want)) return std::isnan(got);
+  if (got == want) return true;
+  return std::fabs(static_cast<double>(got) - want) <= 1e-6 * std::fabs(static_cast<double>(want));
+}
+
+// Runs one case and checks it; returns false after the first reported mismatch batch.
+void run_case(const RouteCase& c) {
+  SCOPED_TRACE(c.describe());
+  std::mt19937_64 rng(c.seed);
+  const int64_t n = static_cast<int64_t>(c.T) * c.E;
+  std::vector<float> logits(n);
+  std::normal_distribution<float> normal(0.0f, 2.0f);
+  std::uniform_int_distribution<int> small(-4, 4);
+  for (int64_t i = 0; i < n; ++i) {
+    switch (c.kind) {
+      case LogitKind::Normal: logits[i] = normal(rng); break;
+      case LogitKind::Ties: logits[i] = 0.5f * static_cast<float>(small(rng)); break;  // many exact ties
+      case LogitKind::AllEqual: logits[i] = 0.25f; break;
+      case LogitKind::WithNan:
+        logits[i] = (rng() % 7 == 0) ? std::nanf("") : (rng() % 11 == 0 ? -INFINITY : normal(rng));
+        break;
+    }
+    if (c.kind == LogitKind::Ties && rng() % 13 == 0) logits[i] = -0.0f;  // -0 ties +0
+  }
+  std::vector<uint16_t> logits_bf16;
+  if (c.bf16) {
+    logits_bf16.resize(n);
+    for (int64_t i = 0; i < n; ++i) {
+      logits_bf16[i] = format::bf16_from_float(logits[i]);
+      logits[i] = format::bf16_to_float(logits_bf16[i]);  // the CPU sees the widened values
+    }
+  }
+  std::vector<float> bias;
+  if (c.with_bias) {
+    bias.resize(c.E);
+    for (int e = 0; e < c.E; ++e)
+      bias[e] = c.kind == LogitKind::Ties || c.kind == LogitKind::AllEqual ? 0.125f * static_cast<float>(e % 3)
+                                                                          : 0.1f * normal(rng);
+  }
+  const reference::Routing want =
+      reference::route(c.params, c.T, c.E, logits.data(), c.with_bias ? bias.data() : nullptr);
+
+  const int k = c.params.top_k;
+  DeviceBuffer<float> d_logits_f32;
+  DeviceBuffer<uint16_t> d_logits_bf16;
+  if (c.bf16) d_logits_bf16 = DeviceBuffer<uint16_t>(logits_bf16);
+  else d_logits_f32 = DeviceBuffer<float>(logits);
+  DeviceBuffer<float> d_bias;
+  if (c.with_bias) d_bias = DeviceBuffer<float>(bias);
+  DeviceBuffer<int32_t> d_ids(static_cast<size_t>(c.T) * k);
+  DeviceBuffer<float> d_w(static_cast<size_t>(c.T) * k);
+  ASSERT_TRUE(d_ids.ok() && d_w.ok() && d_logits_f32.ok() && d_logits_bf16.ok() && d_bias.ok());
+  d_ids.poison();
+  d_w.poison();
+
+  kernels::RouteArgs args;
+  args.logits = c.bf16 ? static_cast<const void*>(d_logits_bf16.get()) : d_logits_f32.get();
+  args.logits_bf16 = c.bf16;
+  args.bias = c.with_bias ? d_bias.get() : nullptr;
+  args.num_tokens = c.T;
+  args.num_experts = c.E;
+  args.params = c.params;
+  args.topk_ids = d_ids.get();
+  args.topk_weights = d_w.get();
+  CUDA_ASSERT(kernels::launch_route(args, nullptr));
+  CUDA_ASSERT(cudaDeviceSynchronize());
+
+  const std::vector<int32_t> ids = d_ids.download();
+  const std::vector<float> w = d_w.download();
+  int reported = 0;
+  for (size_t i = 0; i < ids.size() && reported < 8; ++i) {
+    if (ids[i] != want.ids[i] || !weight_close(w[i], want.weights[i])) {
+      ADD_FAILURE() << "token " << i / k << " slot " << i % k << ": got id " << ids[i] << " w "
+                    << w[i] << ", want id " << want.ids[i] << " w " << want.weights[i];
+      ++reported;
+    }
+  }
+}
+
+RoutingParams params_of(RoutingMethod m, int k, int n_group = 1, int topk_group = 1, float scale = 1.0f) {
+  RoutingParams p;
+  p.method = m;
+  p.top_k = k;
+  p.n_group = n_group;
+  p.topk_group = topk_group;
+  p.routed_scaling_factor = scale;
+  return p;
+}
+
+constexpr RoutingMethod kPlainMethods[] = {
+    RoutingMethod::Default,     RoutingMethod::Renormalize,   RoutingMethod::RenormalizeNaive,
+    RoutingMethod::TopK,        RoutingMethod::Sigmoid,       RoutingMethod::SigmoidRenorm,
+    RoutingMethod::TopKSigmoid};
+constexpr int kExperts[] = {8, 16, 128, 256, 512};
+constexpr int kTopK[] = {1, 2, 4, 8, 32};
+constexpr int kTokens[] = {1, 3, 17, 255, 1000};
+
+TEST(RouteKernel, EveryPlainMethodAndShape) {
+  FP4MOE_REQUIRE_SM90();
+  uint64_t seed = 100;
+  int shape = 0;
+  for (RoutingMethod m : kPlainMethods)
+    for (int E : kExperts)
+      for (int k : kTopK) {
+        if (k > E) continue;
+        for (bool bf16 : {false, true}) {
+          RouteCase c;
+          c.params = params_of(m, k);
+          c.E = E;
+          c.T = kTokens[shape++ % 5];
+          c.bf16 = bf16;
+          c.seed = ++seed;
+          run_case(c);
+        }
+      }
+}
+
+TEST(RouteKernel, ExactTiesGoToTheLowerId) {
+  FP4MOE_REQUIRE_SM90();
+  uint64_t seed = 200;
+  for (RoutingMethod m : kPlainMethods)
+    for (int E : {8, 128, 512})
+      for (int k : {1, 4, 32}) {
+        if (k > E) continue;
+        for (LogitKind kind : {LogitKind::Ties, LogitKind::AllEqual}) {
+          RouteCase c;
+          c.params = params_of(m, k);
+          c.E = E;
+          c.T = 64;
+          c.bf16 = (seed % 2) == 0;
+          c.kind = kind;
+          c.seed = ++seed;
+          run_case(c);
+        }
+      }
+}
+
+TEST(RouteKernel, NanLogitsRankLast) {
+  FP4MOE_REQUIRE_SM90();
+  uint64_t seed = 300;
+  for (RoutingMethod m : kPlainMethods)
+    for (int E : {16, 256})
+      for (int k : {2, 8}) {
+        RouteCase c;
+        c.params = params_of(m, k);
+        c.E = E;
+        c.T = 100;
+        c.kind = LogitKind::WithNan;
+        c.seed = ++seed;
+        run_case(c);
+      }
+  RouteCase c;  // DeepSeekV3 with NaN logits (NaN choice scores rank last in groups too)
+  c.params = params_of(RoutingMethod::DeepSeekV3, 8, 8, 4, 2.5f);
+  c.E = 256;
+  c.T = 100;
+  c.with_bias = true;
+  c.kind = LogitKind::WithNan;
+  c.seed = ++seed;
+  run_case(c);
+}
+
+TEST(RouteKernel, Llama4TopOne) {
+  FP4MOE_REQUIRE_SM90();
+  uint64_t seed = 400;
+  for (int E : kExperts)
+    for (bool bf16 : {false, true})
+      for (LogitKind kind : {LogitKind::Normal, LogitKind::Ties}) {
+        RouteCase c;
+        c.params = params_of(RoutingMethod::Llama4, 1);
+        c.E = E;
+        c.T = 255;
+        c.bf16 = bf16;
+        c.kind = kind;
+        c.seed = ++seed;
+        run_case(c);
+      }
+}
+
+// n_group values for E: 1, and a few that leave >= 2 experts per group (n_group <= 16).
+std::vector<int> group_counts(int E) {
+  std::vector<int> out{1};
+  for (int g : {2, 4, 8, 16})
+    if (E % g == 0 && E / g >= 2) out.push_back(g);
+  return out;
+}
+
+TEST(RouteKernel, DeepSeekV3EveryShape) {
+  FP4MOE_REQUIRE_SM90();
+  uint64_t seed = 500;
+  int shape = 0;
+  for (int E : kExperts)
+    for (int k : kTopK) {
+      if (k > E) continue;
+      for (int ng : group_counts(E)) {
+        const int gsize = E / ng;
+        // smallest topk_group that can hold k experts, at least min(4, ng) when possible
+        int tg = std::max((k + gsize - 1) / gsize, std::min(4, ng));
+        if (tg > ng) continue;
+        for (bool bias : {false, true}) {
+          RouteCase c;
+          c.params = params_of(RoutingMethod::DeepSeekV3, k, ng, tg, bias ? 2.5f : 1.0f);
+          c.E = E;
+          c.T = kTokens[shape++ % 5];
+          c.bf16 = (shape % 3) == 0;
+          c.with_bias = bias;
+          c.kind = (shape % 4) == 0 ? LogitKind::Ties : LogitKind::Normal;
+          c.seed = ++seed;
+          run_case(c);
+        }
+      }
+    }
+}
+
+TEST(RouteKernel, DeepSeekR1AndLargeGroups) {
+  FP4MOE_REQUIRE_SM90();
+  uint64_t seed = 600;
+  for (LogitKind kind : {LogitKind::Normal, LogitKind::Ties, LogitKind::AllEqual})
+    for (bool bf16 : {false, true}) {
+      RouteCase r1;  // DeepSeek-R1
+      r1.params = params_of(RoutingMethod::DeepSeekV3, 8, 8, 4, 2.5f);
+      r1.E = 256;
+      r1.T = 1000;
+      r1.bf16 = bf16;
+      r1.with_bias = true;
+      r1.kind = kind;
+      r1.seed = ++seed;
+      run_case(r1);
+      RouteCase big;  // E = 512, 16 groups
+      big.params = params_of(RoutingMethod::DeepSeekV3, 8, 16, 4, 1.5f);
+      big.E = 512;
+      big.T = 255;
+      big.bf16 = bf16;
+      big.with_bias = true;
+      big.kind = kind;
+      big.seed = ++seed;
+      run_case(big);
+      RouteCase wide = big;  // k = 32 over 16 groups of 32 with 2 kept
+      wide.params = params_of(RoutingMethod::DeepSeekV3, 32, 16, 2, 1.0f);
+      wide.seed = ++seed;
+      run_case(wide);
+    }
+}
+
+TEST(RouteKernel, TokenCounts) {
+  FP4MOE_REQUIRE_SM90();
+  uint64_t seed = 700;
+  for (int T : {0, 1, 3, 17, 255, 1000, 8191, 8193}) {
+    RouteCase a;
+    a.params = params_of(RoutingMethod::Renormalize, 8);
+    a.E = 128;
+    a.T = T;
+    a.bf16 = true;
+    a.seed = ++seed;
+    run_case(a);
+    RouteCase b;
+    b.params = params_of(RoutingMethod::DeepSeekV3, 8, 8, 4, 2.5f);
+    b.E = 256;
+    b.T = T;
+    b.with_bias = true;
+    b.seed = ++seed;
+    run_case(b);
+  }
+}
+
+TEST(RouteKernel, RejectsBadArguments) {
+  kernels::RouteArgs args;
+  args.num_tokens = 0;
+  args.num_experts = 8;
+  args.params = params_of(RoutingMethod::Precomputed, 2);
+  EXPECT_EQ(kernels::launch_route(args, nullptr), cudaErrorInvalidValue);
+  args.params = params_of(RoutingMethod::Renormalize, 9);  // k > E
+  EXPECT_EQ(kernels::launch_route(args, nullptr), cudaErrorInvalidValue);
+  args.num_experts = 1024;  // E > 512
+  args.params = params_of(RoutingMethod::Renormalize, 2);
+  EXPECT_EQ(kernels::launch_route(args, nullptr), cudaErrorInvalidValue);
+  args.num_experts = 16;
+  args.params = params_of(RoutingMethod::DeepSeekV3, 2, 16, 1);  // groups of 1 expert
+  EXPECT_EQ(kernels::launch_route(args, nullptr), cudaErrorInvalidValue);
+  args.params = params_of(RoutingMethod::Renormalize, 2);  // T = 0 with valid params: a no-op
+  EXPECT_EQ(kernels::launch_route(args, nullptr), cudaSuccess);
+}
+
+}  // namespace
+}  // namespace fp4moe
