@@ -95,6 +95,9 @@ void MoeProblem::validate() const {
     check(ng >= 1, "MoeProblem.routing.n_group must be >= 1 for deepseek_v3, got ", ng);
     check(num_experts % ng == 0, "MoeProblem.routing.n_group must divide num_experts (E = ",
           num_experts, ") for deepseek_v3, got ", ng);
+    check(ng == 1 || num_experts / ng >= 2,
+          "MoeProblem.routing.n_group must leave >= 2 experts per group (a group's score is the sum of "
+          "its top two) for deepseek_v3: E = ", num_experts, ", n_group = ", ng);
     check(routing.topk_group >= 1 && routing.topk_group <= ng,
           "MoeProblem.routing.topk_group must be in [1, n_group = ", ng, "] for deepseek_v3, got ",
           routing.topk_group);

@@ -19,6 +19,9 @@ struct Routing {
 
 // logits [T, E] fp32 (bf16 logits are widened by the caller); bias [E] or nullptr (DeepSeekV3 only).
 // Throws fp4moe::Error for Precomputed (there is nothing to compute) and on inconsistent params.
+// Selection ranks NaN below every number (-inf included) and equal scores by lower id, so a NaN logit
+// never displaces a number and poisons only its own token's weights. Methods other than DeepSeekV3
+// ignore the bias; DeepSeekV3 with n_group > 1 needs >= 2 experts per group. Numerics: routing.cpp.
 Routing route(const RoutingParams& params, int64_t num_tokens, int64_t num_experts,
               const float* logits, const float* bias);
 
@@ -61,6 +64,8 @@ struct MoeTrace {
 };
 
 // hidden [T, H] bf16 bits. Checks every argument (throws fp4moe::Error). Multi-threaded over tokens.
+// The router input is exactly one of: logits (+ bias) for a computed method, or topk_ids +
+// topk_weights for Precomputed (ids checked in [0, E)). Input scales are needed (and checked) for w4a4.
 MoeResult moe_forward(const MoeProblem& problem, int64_t num_tokens, const uint16_t* hidden,
                       const RouterInput& router, const MoeWeights& weights,
                       MoeTrace* trace = nullptr);
