@@ -146,6 +146,9 @@ TEST(Problem, ValidateDeepSeekV3) {
   EXPECT_THAT(validate_error(p), AllOf(HasSubstr("n_group"), HasSubstr(">= 1"), HasSubstr("got 0")));
   p.routing.n_group = 3;
   EXPECT_THAT(validate_error(p), AllOf(HasSubstr("n_group"), HasSubstr("divide num_experts (E = 16)"), HasSubstr("got 3")));
+  p.routing.n_group = 16;  // one expert per group: no top-two group score
+  p.routing.topk_group = 4;
+  EXPECT_THAT(validate_error(p), AllOf(HasSubstr("n_group"), HasSubstr(">= 2 experts per group"), HasSubstr("n_group = 16")));
   p = deepseek();
   p.routing.topk_group = 0;
   EXPECT_THAT(validate_error(p), AllOf(HasSubstr("topk_group"), HasSubstr("[1, n_group = 4]"), HasSubstr("got 0")));
