@@ -33,7 +33,17 @@ __global__ void __launch_bounds__(kThreads) finalize_kernel(const FinalizeArgs a
   for (int q = 0; q < kCols; ++q) acc[q] = 0.0f;
   for (int j = 0; j < k; ++j) {
     const int64_t entry = t * k + j;
-    const float w = a.unit_weights ? 1.0f : a.topk_weights[entry];
+    float w = a.unit_weights ? 1.0f : a.topk_weights[entry];
+    if (a.topk_ids != nullptr) {
+      // NOTE: an out-of-range precomputed id has no GEMM row, so y[entry] was never written: the
+      // token's row becomes NaN (bad input poisons its own token only) instead of reading garbage.
+      const int32_t e = a.topk_ids[entry];
+      if (e < 0 || e >= a.num_experts) {
+#pragma unroll
+        for (int q = 0; q < kCols; ++q) acc[q] = __int_as_float(0x7fc00000);
+        continue;
+      }
+    }
     const float4* src = reinterpret_cast<const float4*>(a.y + entry * H + c);
     const float4 y0 = src[0], y1 = src[1];
     const float y[kCols] = {y0.x, y0.y, y0.z, y0.w, y1.x, y1.y, y1.z, y1.w};

@@ -22,6 +22,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <vector>
 
 #include "fp4moe/problem.hpp"
 
@@ -97,11 +98,32 @@ struct GatherArgs {
 cudaError_t launch_gather_quantize(const GatherArgs& args, cudaStream_t stream);
 
 // ---- expert GEMMs ---------------------------------------------------------------------------------
+// Expert weights in the layout of the GEMM kernels (kernels/expert_gemm_layout.cuh): every group of 8
+// rows and 128-wide K chunk is 512 bytes in the order the MMA fragments want, K padded with zeros to a
+// multiple of 128 (padded_cols); N is not padded. Scales get their own 8-bit code (one per 16 K
+// elements). Built once on the host from the canonical layout.
+struct PrepackedWeights {
+  int64_t num_experts = 0;
+  int64_t rows = 0;          // N
+  int64_t cols = 0;          // K
+  int64_t padded_cols = 0;   // K rounded up to 128
+  size_t weight_bytes = 0;   // num_experts * rows * padded_cols / 2
+  size_t scale_bytes = 0;    // num_experts * rows * padded_cols / 16
+};
+// w [E, N, K/2] e2m1 pairs (element 2j in the low nibble of byte j), w_scale [E, N, K/16] e4m3 (linear)
+// -> w_out (weight_bytes), scale_out (scale_bytes), resized here. Exact: the kernels decode q * sf.
+// Throws fp4moe::Error when N or K is not a positive multiple of 16 or a scale is NaN (0x7F/0xFF);
+// a negative scale is folded into the weights' signs.
+PrepackedWeights prepack_expert_weights(const uint8_t* w, const uint8_t* w_scale, int64_t E, int64_t N,
+                                        int64_t K, std::vector<uint8_t>& w_out,
+                                        std::vector<uint8_t>& scale_out);
+
 // Shared by GEMM1 and GEMM2: rows of expert e are [expert_offsets[e], expert_offsets[e+1]).
 struct ExpertGemmArgs {
   const __nv_bfloat16* a = nullptr;       // [T*k, K] permuted activations (exact bf16 values)
-  const uint8_t* w = nullptr;             // [E, N, K/2] e2m1 pairs, prepared layout (see prepare)
-  const uint8_t* w_scale = nullptr;       // [E, N, K/16] e4m3, prepared layout
+  const uint8_t* w = nullptr;             // prepacked weights (PrepackedWeights::weight_bytes)
+  const uint8_t* w_scale = nullptr;       // prepacked scales (PrepackedWeights::scale_bytes)
+  PrepackedWeights weights;               // what w / w_scale hold (checked against E, N, K)
   const float* alpha = nullptr;           // [E] global scale for the epilogue
   const int32_t* expert_offsets = nullptr;// [E+1]
   const int32_t* tile_expert = nullptr;   // tile table from launch_permute (built with gemm_tile_rows())
@@ -138,6 +160,8 @@ struct FinalizeArgs {
   int top_k = 0;
   int hidden_size = 0;
   bool unit_weights = false;            // apply_router_weight_on_input
+  const int32_t* topk_ids = nullptr;    // [T, k] or nullptr: when given, a slot whose id is outside
+  int num_experts = 0;                  //   [0, num_experts) makes its token's output row NaN
   __nv_bfloat16* out = nullptr;         // [T, H]
 };
 cudaError_t launch_finalize(const FinalizeArgs& args, cudaStream_t stream);

@@ -108,6 +108,7 @@ class GpuMoeRunner final : public MoeRunner {
   }
 
  private:
+  Status prepare_weights_or_throw(const reference::MoeWeights& w, const WeightPrepOptions& options);
   Status check_args(cudaStream_t stream, const ForwardArgs& args, bool routed) const;
   Status run(cudaStream_t stream, const ForwardArgs& args, bool routed, cudaEvent_t const* marks);
 
@@ -128,6 +129,14 @@ std::string check_scales(const float* v, int64_t n, const char* name) {
 }
 
 Status GpuMoeRunner::prepare_weights(const reference::MoeWeights& w, const WeightPrepOptions& options) {
+  try {
+    return prepare_weights_or_throw(w, options);
+  } catch (const Error& e) {  // e.g. a NaN block scale found while pre-arranging the weights
+    return Status::failure(detail::concat("prepare_weights: ", e.what()));
+  }
+}
+
+Status GpuMoeRunner::prepare_weights_or_throw(const reference::MoeWeights& w, const WeightPrepOptions& options) {
   const MoeProblem& p = problem_;
   const int64_t E = p.num_experts, H = p.hidden, I = p.inter, N13 = p.w13_rows();
   const bool w4a4 = p.act_quant != ActQuant::W4A16;
@@ -343,6 +352,10 @@ Status GpuMoeRunner::run(cudaStream_t stream, const ForwardArgs& a, bool routed,
   f.top_k = k;
   f.hidden_size = static_cast<int>(p.hidden);
   f.unit_weights = p.routing.apply_router_weight_on_input;
+  if (routed) {  // caller-given ids may be out of range
+    f.topk_ids = ids;
+    f.num_experts = E;
+  }
   f.out = static_cast<__nv_bfloat16*>(a.output);
   FP4MOE_LAUNCH(6, "finalize", kernels::launch_finalize(f, stream));
   return Status::success();

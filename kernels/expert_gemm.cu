@@ -1,0 +1,114 @@
+// kernels/expert_gemm.cu — launchers of the expert GEMMs (kernels/expert_gemm_sm90.cuh).
+//
+//   1. Check the arguments (cudaErrorInvalidValue on anything inconsistent: shapes, the prepacked
+//      weights' shape, null or misaligned pointers).
+//   2. Grid: max_tiles token tiles x CTAs along N (GEMM1 gated: 128 intermediate columns per CTA,
+//      otherwise 256 weight rows), one dimension; CTAs past *num_tiles leave at once.
+//   3. One kernel instantiation serves GEMM1 (gated or relu2, bf16 or NVFP4 output) and GEMM2.
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <climits>
+#include <cstdint>
+
+#include "kernels/expert_gemm_sm90.cuh"
+#include "kernels/launch.hpp"
+
+namespace fp4moe::kernels {
+namespace {
+
+bool aligned(const void* p, uintptr_t a) { return reinterpret_cast<uintptr_t>(p) % a == 0; }
+
+bool common_args_valid(const ExpertGemmArgs& a) {
+  const PrepackedWeights& pw = a.weights;
+  if (a.K <= 0 || a.K % 16 != 0 || a.N <= 0 || a.N % 16 != 0 || a.K > INT_MAX / 2 || a.N > INT_MAX / 2) return false;
+  if (a.num_experts <= 0 || a.max_tiles < 0 || a.max_tiles > INT_MAX) return false;
+  if (pw.num_experts != a.num_experts || pw.rows != a.N || pw.cols != a.K ||
+      pw.padded_cols != (a.K + fp4layout::kChunkK - 1) / fp4layout::kChunkK * fp4layout::kChunkK)
+    return false;
+  if (a.max_tiles == 0) return true;  // nothing will be launched
+  if (!a.a || !a.w || !a.w_scale || !a.alpha || !a.expert_offsets || !a.tile_expert || !a.tile_row_start ||
+      !a.num_tiles)
+    return false;
+  return aligned(a.a, 16) && aligned(a.w, 16) && aligned(a.w_scale, 16);
+}
+
+sm90gemm::Params common_params(const ExpertGemmArgs& a) {
+  sm90gemm::Params p{};
+  p.a = a.a;
+  p.w = a.w;
+  p.w_scale = a.w_scale;
+  p.alpha = a.alpha;
+  p.expert_offsets = a.expert_offsets;
+  p.tile_expert = a.tile_expert;
+  p.tile_row_start = a.tile_row_start;
+  p.num_tiles = a.num_tiles;
+  p.max_tiles = static_cast<int>(a.max_tiles);
+  p.K = static_cast<int>(a.K);
+  p.N = static_cast<int>(a.N);
+  p.groups = static_cast<int>(a.N / fp4layout::kRowsPerGroup);
+  p.chunks = static_cast<int>(a.weights.padded_cols / fp4layout::kChunkK);
+  return p;
+}
+
+cudaError_t launch(const sm90gemm::Params& p, int64_t cols_per_cta, int64_t cols, cudaStream_t stream) {
+  using namespace sm90gemm;
+  if (p.max_tiles == 0) return cudaSuccess;
+  const int64_t n_ctas = (cols + cols_per_cta - 1) / cols_per_cta;
+  const int64_t ctas = static_cast<int64_t>(p.max_tiles) * n_ctas;
+  if (ctas > INT_MAX) return cudaErrorInvalidConfiguration;
+  sm90gemm::Params q = p;
+  q.n_ctas = static_cast<int>(n_ctas);
+  // The shared-memory opt-in is set once per device (not a stream operation, so also fine while a
+  // graph is being captured).
+  static std::atomic<uint64_t> configured{0};
+  int device = 0;
+  if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
+  const uint64_t bit = device < 64 ? (uint64_t{1} << device) : 0;
+  if (bit == 0 || !(configured.load() & bit)) {
+    if (cudaError_t e = cudaFuncSetAttribute(expert_gemm_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                             static_cast<int>(kSmemBytes));
+        e != cudaSuccess)
+      return e;
+    configured.fetch_or(bit);
+  }
+  expert_gemm_kernel<<<static_cast<unsigned>(ctas), kThreads, kSmemBytes, stream>>>(q);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+int gemm_tile_rows() { return sm90gemm::kTileRows; }
+
+cudaError_t launch_gemm1_act(const Gemm1Args& args, cudaStream_t stream) {
+  if (!common_args_valid(args)) return cudaErrorInvalidValue;
+  const bool gated = args.activation.kind != Activation::Relu2;
+  if (gated && args.N % 32 != 0) return cudaErrorInvalidValue;  // I = N/2 must be a multiple of 16
+  const int64_t I = gated ? args.N / 2 : args.N;
+  const bool quantize = args.mode != ActQuant::W4A16;
+  if (args.max_tiles > 0) {
+    if (!args.act || !aligned(args.act, 16)) return cudaErrorInvalidValue;
+    if (quantize && !args.act_scale) return cudaErrorInvalidValue;
+  }
+  sm90gemm::Params p = common_params(args);
+  p.epilogue = gated ? sm90gemm::Epilogue::Gemm1Gated : sm90gemm::Epilogue::Gemm1Plain;
+  p.act = args.activation;
+  p.quantize = quantize ? 1 : 0;
+  p.act_scale = args.act_scale;
+  p.act_out = args.act;
+  p.out_cols = static_cast<int>(I);
+  return launch(p, gated ? sm90gemm::kBlockN / 2 : sm90gemm::kBlockN, I, stream);
+}
+
+cudaError_t launch_gemm2(const Gemm2Args& args, cudaStream_t stream) {
+  if (!common_args_valid(args)) return cudaErrorInvalidValue;
+  if (args.max_tiles > 0 && (!args.row_to_entry || !args.y || !aligned(args.y, 4))) return cudaErrorInvalidValue;
+  sm90gemm::Params p = common_params(args);
+  p.epilogue = sm90gemm::Epilogue::Gemm2;
+  p.row_to_entry = args.row_to_entry;
+  p.y = args.y;
+  p.out_cols = static_cast<int>(args.N);
+  return launch(p, sm90gemm::kBlockN, args.N, stream);
+}
+
+}  // namespace fp4moe::kernels

@@ -1,0 +1,552 @@
+// kernels/expert_gemm_sm90.cuh — the NVFP4 expert GEMM for sm_90a: FP4 weights decoded in registers
+// to bf16 and fed as the register A operand of wgmma; tokens are the MMA N dimension ("swap AB").
+//
+// One CTA computes a tile of 256 weight rows (GEMM1 gated: 128 gate rows + the 128 matching up rows)
+// x 128 token rows (one entry of the tile table) over the whole K:
+//   warpgroup 2     producer (setmaxnreg 56): cp.async of each 128-wide K chunk into a 4-stage ring
+//                     weights [32 row groups][512 B] + scales [32][64 B] (prepacked, 16-byte chunks)
+//                     activations [2 slabs of 64 K][128 tokens][128 B], 128-byte swizzled
+//                   and a cp.async-completion arrive on the stage's `full` mbarrier.
+//   warpgroups 0-1  consumers (setmaxnreg 224); warpgroup c, block b (0..1), warp w own the m16 tile
+//                   mt = 8c + 4b + w (rows 16mt.. of the CTA's 256, or gate/up rows 8mt.. of its 128).
+//                   Per stage: wait `full`, load 4 x 16 B of weights + 4 x 8 B of scales, then per
+//                   word q (two k16 steps): decode_word + bf16x2 scale multiply -> A fragments,
+//                   wgmma m64nNk16 for both blocks; wait for the stage's wgmmas, arrive on `empty`.
+//                   N (8..128) is the smallest wgmma width that covers the tile's valid token rows.
+//   epilogue        h = alpha[e] * (2^8 * acc) (fp32, see expert_gemm_layout.cuh for the 2^8), then
+//                     GEMM1: activation, staged through shared memory as [i][token] fp32, then per
+//                            (token, 16 columns): bf16 (w4a16) or NVFP4 fake-quantization with
+//                            act_scale[e] (w4a4), written as 2 x 16 B.
+//                     GEMM2: fp32 y[row_to_entry[row] * N + n], straight from the registers.
+// Tails: K is padded to 128 in the prepacked weights (zero weights) and the activation columns past K
+// are zero-filled; weight row groups past N and token rows past the tile's end are not loaded (stale
+// shared memory only reaches accumulator rows/columns that are never written).
+//
+// Fragment shapes (PTX ISA wgmma .m64nNk16, A from registers, .bf16, f32 accumulators):
+//   A  64x16 per warpgroup: warp w holds rows 16w..16w+15 in the m16n8k16 A layout (see layout header)
+//   B  16xN in shared memory, K-major: token n's 16 K values at row n of a 128-byte swizzled slab
+//   D  64xN: thread (warp w, lane 4g+t) holds, for n8 chunk j, d[4j+0..1] = row 16w+g, cols 8j+2t+{0,1}
+//      and d[4j+2..3] = row 16w+g+8, same cols.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "fp4moe/problem.hpp"
+#include "kernels/expert_gemm_layout.cuh"
+#include "kernels/nvfp4_device.cuh"
+
+namespace fp4moe::kernels::sm90gemm {
+
+inline constexpr int kTileRows = 128;         // token rows per tile (gemm_tile_rows())
+inline constexpr int kBlockN = 256;           // weight rows per CTA
+inline constexpr int kSlots = kBlockN / 8;    // row groups per CTA
+inline constexpr int kStages = 4;
+inline constexpr int kConsumerThreads = 256;  // two warpgroups
+inline constexpr int kProducerThreads = 128;  // one warpgroup (register reallocation is per warpgroup)
+inline constexpr int kThreads = kConsumerThreads + kProducerThreads;
+inline constexpr int kProducerRegs = 56;   // registers per thread after setmaxnreg
+inline constexpr int kConsumerRegs = 224;
+// NOTE: setmaxnreg.inc draws from the registers the CTA was launched with (168 per thread for 384
+// threads at one CTA per SM: 64512); asking for more than the producer gave back blocks forever.
+inline constexpr int kLaunchRegs = 168;
+static_assert(kProducerThreads * kProducerRegs + kConsumerThreads * kConsumerRegs <= kThreads * kLaunchRegs,
+              "the register reallocation must fit the CTA's launch allocation");
+inline constexpr int kRasterGroup = 8;        // token tiles per raster group (L2 reuse of weights)
+inline constexpr int kSlabBytes = kTileRows * 128;                          // 64 K of 128 tokens
+inline constexpr int kActBytes = 2 * kSlabBytes;                            // 32 KiB
+inline constexpr int kWeightBytes = kSlots * fp4layout::kChunkBytes;        // 16 KiB
+inline constexpr int kScaleBytes = kSlots * fp4layout::kChunkScaleBytes;    // 2 KiB
+inline constexpr int kStageBytes = kActBytes + kWeightBytes + kScaleBytes;  // 50 KiB, 1024-aligned
+inline constexpr int kStagingStride = 136;  // floats per row of the GEMM1 staging tile (conflict-free)
+inline constexpr int kBarrierOffset = kStages * kStageBytes;
+inline constexpr int kTokenEntryOffset = kBarrierOffset + 2 * kStages * 8;
+inline constexpr size_t kSmemBytes = 1024 + kTokenEntryOffset + kTileRows * 4;
+static_assert(kStageBytes % 1024 == 0, "swizzled activation slabs need 1024-byte alignment");
+static_assert(256 * kStagingStride * 4 <= kStages * kStageBytes, "GEMM1 staging must fit the ring");
+
+enum class Epilogue : int { Gemm1Gated = 0, Gemm1Plain = 1, Gemm2 = 2 };
+
+struct Params {
+  const __nv_bfloat16* a;          // [rows, K]
+  const uint8_t* w;                // prepacked
+  const uint8_t* w_scale;          // prepacked
+  const float* alpha;              // [E]
+  const int32_t* expert_offsets;   // [E+1]
+  const int32_t* tile_expert;      // [max_tiles]
+  const int32_t* tile_row_start;   // [max_tiles]
+  const int32_t* num_tiles;        // [1]
+  int max_tiles;
+  int n_ctas;                      // CTAs along N
+  int K;                           // activation columns (unpadded)
+  int groups;                      // N / 8
+  int chunks;                      // padded K / 128
+  int N;                           // weight rows
+  Epilogue epilogue;
+  // GEMM1
+  ActivationParams act;
+  int quantize;                    // 0: bf16(act), 1: NVFP4 q*sf with act_scale[e]
+  const float* act_scale;          // [E]
+  __nv_bfloat16* act_out;          // [rows, out_cols]
+  int out_cols;                    // I (GEMM1)
+  // GEMM2
+  const int32_t* row_to_entry;     // [rows]
+  float* y;                        // [entries, N]
+};
+
+// ---- PTX wrappers -----------------------------------------------------------------------------------
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done = 0;
+  do {
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+// Arrives on `bar` once every cp.async issued so far by this thread has landed (count not raised).
+__device__ __forceinline__ void cp_async_arrive(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
+}
+// 16-byte global -> shared copy; src_bytes 0 writes zeros (nothing is read).
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, uint32_t src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+// NOTE: wgmma reads shared memory through the async proxy; the cp.async writes are generic-proxy
+// writes, so each consumer fences after observing a stage as full.
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
+__device__ __forceinline__ void consumer_sync() {  // named barrier 1: the 256 consumer threads
+  asm volatile("bar.sync 1, %0;" ::"n"(kConsumerThreads) : "memory");
+}
+// Shared-memory loads by 32-bit shared address (volatile: they stay after the mbarrier wait).
+__device__ __forceinline__ uint4 lds128(uint32_t addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
+  return v;
+}
+__device__ __forceinline__ uint2 lds64(uint32_t addr) {
+  uint2 v;
+  asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "r"(addr));
+  return v;
+}
+__device__ __forceinline__ void fence_operand(float& x) { asm volatile("" : "+f"(x)::"memory"); }
+// NOTE: registers are allocated per warpgroup; the producer gives most of its registers to the two
+// consumer warpgroups (kProducerRegs / kConsumerRegs).
+template <int N>
+__device__ __forceinline__ void setmaxnreg_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(N));
+}
+template <int N>
+__device__ __forceinline__ void setmaxnreg_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(N));
+}
+
+// Shared-memory matrix descriptor: K-major, 128-byte swizzle, 8-row groups 1024 bytes apart (SBO),
+// LBO unused for swizzled K-major layouts (1). The k16 step within a 64-wide slab advances the start
+// address by 32 bytes; the slab must be 1024-byte aligned (base offset 0).
+__device__ __forceinline__ uint64_t make_desc_sw128(uint32_t addr) {
+  return static_cast<uint64_t>((addr & 0x3FFFFu) >> 4) | (uint64_t{1} << 16) | (uint64_t{1024 >> 4} << 32) |
+         (uint64_t{1} << 62);
+}
+
+// ---- wgmma m64nNk16, A from registers (bf16), f32 accumulators ---------------------------------
+// D[64 x 8] += A[64 x 16] (registers) * B[16 x 8] (shared memory, K-major, 128B swizzle)
+__device__ __forceinline__ void wgmma_m64n8k16(float (&d)[64], const uint32_t (&a)[4], uint64_t desc_b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %9, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 "
+      "{"
+      "%0, %1, %2, %3"
+      "}, {%4, %5, %6, %7}, %8, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
+}
+
+// D[64 x 16] += A[64 x 16] (registers) * B[16 x 16] (shared memory, K-major, 128B swizzle)
+__device__ __forceinline__ void wgmma_m64n16k16(float (&d)[64], const uint32_t (&a)[4], uint64_t desc_b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 "
+      "{"
+      "%0, %1, %2, %3, %4, %5, %6, %7"
+      "}, {%8, %9, %10, %11}, %12, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
+}
+
+// D[64 x 32] += A[64 x 16] (registers) * B[16 x 32] (shared memory, K-major, 128B swizzle)
+__device__ __forceinline__ void wgmma_m64n32k16(float (&d)[64], const uint32_t (&a)[4], uint64_t desc_b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
+      "{"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
+      "}, {%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
+}
+
+// D[64 x 64] += A[64 x 16] (registers) * B[16 x 64] (shared memory, K-major, 128B swizzle)
+__device__ __forceinline__ void wgmma_m64n64k16(float (&d)[64], const uint32_t (&a)[4], uint64_t desc_b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+      "{"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+      "}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
+}
+
+// D[64 x 128] += A[64 x 16] (registers) * B[16 x 128] (shared memory, K-major, 128B swizzle)
+__device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], const uint32_t (&a)[4], uint64_t desc_b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+      "{"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,"
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+      "}, {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
+}
+
+template <int NT>
+__device__ __forceinline__ void wgmma_tile(float (&d)[64], const uint32_t (&a)[4], uint64_t desc_b) {
+  if constexpr (NT == 8) wgmma_m64n8k16(d, a, desc_b);
+  else if constexpr (NT == 16) wgmma_m64n16k16(d, a, desc_b);
+  else if constexpr (NT == 32) wgmma_m64n32k16(d, a, desc_b);
+  else if constexpr (NT == 64) wgmma_m64n64k16(d, a, desc_b);
+  else wgmma_m64n128k16(d, a, desc_b);
+}
+
+// ---- decode -------------------------------------------------------------------------------------------
+__device__ __forceinline__ uint32_t bf16x2_mul_lo(uint32_t x, uint32_t s) {  // x * {s.lo, s.lo}
+  const __nv_bfloat162 r = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&x),
+                                   __low2bfloat162(*reinterpret_cast<const __nv_bfloat162*>(&s)));
+  return *reinterpret_cast<const uint32_t*>(&r);
+}
+__device__ __forceinline__ uint32_t bf16x2_mul_hi(uint32_t x, uint32_t s) {  // x * {s.hi, s.hi}
+  const __nv_bfloat162 r = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&x),
+                                   __high2bfloat162(*reinterpret_cast<const __nv_bfloat162*>(&s)));
+  return *reinterpret_cast<const uint32_t*>(&r);
+}
+__device__ __forceinline__ uint32_t word_of(const uint4& v, int q) {
+  return q == 0 ? v.x : q == 1 ? v.y : q == 2 ? v.z : v.w;
+}
+
+// Consumer main loop over the K chunks with wgmma width NT; acc[b] is block b's 64xNT accumulator.
+template <int NT>
+__device__ __forceinline__ void consumer_mainloop(const Params& p, uint8_t* smem, uint32_t bar_base,
+                                                  float (&acc)[2][64]) {
+  const int ctid = threadIdx.x;
+  const int wg = ctid / 128, warp = (ctid / 32) % 4, lane = ctid % 32, g = lane / 4;
+  for (int kt = 0; kt < p.chunks; ++kt) {
+    const int s = kt % kStages;
+    mbar_wait(bar_base + 8 * s, (kt / kStages) & 1);
+    fence_proxy_async();
+    const uint32_t act_base = smem_addr(smem) + s * kStageBytes;
+    const uint32_t wsm = act_base + kActBytes;
+    const uint32_t ssm = wsm + kWeightBytes;
+    uint4 wa[2], wb[2];
+    uint2 sa[2], sb[2];
+#pragma unroll
+    for (int b = 0; b < 2; ++b) {
+      const int mt = wg * 8 + b * 4 + warp;  // rows g from slot 2mt, rows g+8 from slot 2mt+1
+      wa[b] = lds128(wsm + (2 * mt) * fp4layout::kChunkBytes + lane * 16);
+      wb[b] = lds128(wsm + (2 * mt + 1) * fp4layout::kChunkBytes + lane * 16);
+      sa[b] = lds64(ssm + (2 * mt) * fp4layout::kChunkScaleBytes + g * 8);
+      sb[b] = lds64(ssm + (2 * mt + 1) * fp4layout::kChunkScaleBytes + g * 8);
+    }
+    uint32_t frag[2][2][2][4];  // [buffer][k16 step of the pair][block][register]
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      if (q >= 2) wgmma_wait<1>();  // the wgmmas of word q-2 (same buffer) are done
+      uint32_t (&f)[2][2][4] = frag[q & 1];
+#pragma unroll
+      for (int b = 0; b < 2; ++b) {
+        const uint32_t sca = fp4layout::decode_scale_pair(q < 2 ? sa[b].x : sa[b].y, q & 1);
+        const uint32_t scb = fp4layout::decode_scale_pair(q < 2 ? sb[b].x : sb[b].y, q & 1);
+        uint32_t da[4], db[4];
+        fp4layout::decode_word(word_of(wa[b], q), da);
+        fp4layout::decode_word(word_of(wb[b], q), db);
+        // step 2q: a0 = row g cols 2t.., a1 = row g+8, a2 = row g cols 2t+8.., a3 = row g+8 cols 2t+8..
+        f[0][b][0] = bf16x2_mul_lo(da[0], sca);
+        f[0][b][1] = bf16x2_mul_lo(db[0], scb);
+        f[0][b][2] = bf16x2_mul_lo(da[1], sca);
+        f[0][b][3] = bf16x2_mul_lo(db[1], scb);
+        // step 2q+1
+        f[1][b][0] = bf16x2_mul_hi(da[2], sca);
+        f[1][b][1] = bf16x2_mul_hi(db[2], scb);
+        f[1][b][2] = bf16x2_mul_hi(da[3], sca);
+        f[1][b][3] = bf16x2_mul_hi(db[3], scb);
+      }
+      wgmma_fence();
+#pragma unroll
+      for (int st = 0; st < 2; ++st) {
+        const int step = 2 * q + st;  // k16 step of the chunk: slab step/4, 32 bytes per step inside it
+        const uint64_t desc = make_desc_sw128(act_base + (step / 4) * kSlabBytes + (step % 4) * 32);
+#pragma unroll
+        for (int b = 0; b < 2; ++b) wgmma_tile<NT>(acc[b], f[st][b], desc);
+      }
+      wgmma_commit();
+    }
+    wgmma_wait<0>();
+    mbar_arrive(bar_base + 8 * (kStages + s));  // this thread is done with the stage
+  }
+#pragma unroll
+  for (int b = 0; b < 2; ++b)
+#pragma unroll
+    for (int i = 0; i < 64; ++i) fence_operand(acc[b][i]);
+}
+
+// Producer (one warpgroup, pt = 0..127): cp.async of every K chunk into the ring.
+__device__ __forceinline__ void producer(const Params& p, uint8_t* smem, uint32_t bar_base, int expert,
+                                         int ntile, int64_t row_start, int valid_rows) {
+  const int pt = threadIdx.x - kConsumerThreads;
+  const bool gated = p.epilogue == Epilogue::Gemm1Gated;
+  const int half_groups = p.groups / 2;
+  const int64_t row_groups = p.groups;
+  const uint8_t* w_expert = p.w + static_cast<int64_t>(expert) * row_groups * p.chunks * fp4layout::kChunkBytes;
+  const uint8_t* s_expert =
+      p.w_scale + static_cast<int64_t>(expert) * row_groups * p.chunks * fp4layout::kChunkScaleBytes;
+  // Row group of slot `slot` (0..31), or -1 when it lies past N (not loaded).
+  auto slot_group = [&](int slot) -> int {
+    if (gated) {  // slot 2mt: gate rows 8(16*ntile+mt)..; slot 2mt+1: the matching up rows
+      const int ig = ntile * (kSlots / 2) + slot / 2;
+      if (ig >= half_groups) return -1;
+      return (slot & 1) ? half_groups + ig : ig;
+    }
+    const int grp = ntile * kSlots + slot;
+    return grp < p.groups ? grp : -1;
+  };
+  const int cc = pt % 16;  // 16-byte column chunk of an activation row (8 bf16)
+  for (int kt = 0; kt < p.chunks; ++kt) {
+    const int s = kt % kStages;
+    if (kt >= kStages) mbar_wait(bar_base + 8 * (kStages + s), ((kt / kStages) - 1) & 1);
+    const uint32_t act_base = smem_addr(smem) + s * kStageBytes;
+    const uint32_t w_base = act_base + kActBytes;
+    const uint32_t s_base = w_base + kWeightBytes;
+#pragma unroll 1
+    for (int i = 0; i < kSlots * 32 / kProducerThreads; ++i) {  // weights: 32 slots x 32 x 16 B
+      const int c = pt + kProducerThreads * i, slot = c / 32, part = c % 32;
+      const int grp = slot_group(slot);
+      if (grp < 0) continue;
+      const uint8_t* src = w_expert + (static_cast<int64_t>(grp) * p.chunks + kt) * fp4layout::kChunkBytes;
+      cp_async16(w_base + slot * fp4layout::kChunkBytes + part * 16, src + part * 16, 16);
+    }
+    {  // scales: 32 slots x 4 x 16 B
+      const int slot = pt / 4, part = pt % 4;
+      const int grp = slot_group(slot);
+      if (grp >= 0) {
+        const uint8_t* src = s_expert + (static_cast<int64_t>(grp) * p.chunks + kt) * fp4layout::kChunkScaleBytes;
+        cp_async16(s_base + slot * fp4layout::kChunkScaleBytes + part * 16, src + part * 16, 16);
+      }
+    }
+    const int kcol = kt * fp4layout::kChunkK + cc * 8;
+    const bool kvalid = kcol < p.K;  // K % 16 == 0, so a chunk is wholly inside or outside
+    for (int r = pt / 16; r < valid_rows; r += kProducerThreads / 16) {
+      const __nv_bfloat16* src = p.a + (row_start + r) * static_cast<int64_t>(p.K) + (kvalid ? kcol : 0);
+      const uint32_t dst = act_base + (cc / 8) * kSlabBytes + r * 128 + (((cc % 8) ^ (r % 8)) << 4);
+      cp_async16(dst, src, kvalid ? 16u : 0u);
+    }
+    cp_async_arrive(bar_base + 8 * s);
+  }
+  // NOTE: the producer leaves before the consumers are done; its copies must have landed by then.
+  asm volatile("cp.async.wait_all;" ::: "memory");
+}
+
+// ---- epilogue helpers -----------------------------------------------------------------------------
+__device__ __forceinline__ float activation(const ActivationParams& a, float g, float u) {
+  switch (a.kind) {
+    case Activation::SwiGLU:
+      return __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))), u);
+    case Activation::GeGLU: {
+      const float gelu = __fmul_rn(__fmul_rn(0.5f, g), __fadd_rn(1.0f, erff(__fmul_rn(g, 0.70710678118654752f))));
+      return __fmul_rn(gelu, u);
+    }
+    case Activation::SwiGLUOai: {
+      const float L = a.swiglu_limit;
+      const float gc = g > L ? L : g;                     // min(g, L), NaN stays NaN
+      const float uc = u > L ? L : (u < -L ? -L : u);     // clamp(u, -L, L), NaN stays NaN
+      const float sig = __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-__fmul_rn(a.swiglu_alpha, gc))));
+      return __fmul_rn(__fmul_rn(gc, sig), __fadd_rn(uc, a.swiglu_beta));
+    }
+    case Activation::Relu2:
+    default: {
+      const float r = g < 0.0f ? 0.0f : g;  // max(h, 0), NaN stays NaN
+      return __fmul_rn(r, r);
+    }
+  }
+}
+__device__ __forceinline__ float epilogue_scale(float alpha, float acc) {
+  return __fmul_rn(alpha, __fmul_rn(acc, fp4layout::kAccumulatorScale));  // the 2^8 is exact
+}
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // RNE each
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+__global__ void __launch_bounds__(kThreads, 1) expert_gemm_kernel(const Params p) {
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);  // 1024-aligned, still shared
+
+  // Raster: groups of kRasterGroup tiles; inside a group the tile varies fastest, so the CTAs that run
+  // together share weight columns (same expert, same N tile) and activation rows.
+  const int64_t per_group = static_cast<int64_t>(kRasterGroup) * p.n_ctas;
+  const int64_t group = blockIdx.x / per_group;
+  const int64_t first = group * kRasterGroup;
+  const int64_t gsize = min(static_cast<int64_t>(kRasterGroup), p.max_tiles - first);
+  const int64_t local = blockIdx.x - group * per_group;
+  const int tile = static_cast<int>(first + local % gsize);
+  const int ntile = static_cast<int>(local / gsize);
+  if (tile >= *p.num_tiles) return;  // the whole CTA leaves before any barrier
+  const int expert = p.tile_expert[tile];
+  const int64_t row_start = p.tile_row_start[tile];
+  const int valid_rows = static_cast<int>(min(static_cast<int64_t>(kTileRows), p.expert_offsets[expert + 1] - row_start));
+  if (valid_rows <= 0) return;
+
+  const uint32_t bar_base = smem_addr(smem + kBarrierOffset);  // full[s] at 8s, empty[s] at 8(kStages+s)
+  int32_t* tok_entry = reinterpret_cast<int32_t*>(smem + kTokenEntryOffset);
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(bar_base + 8 * s, kProducerThreads);                  // the producer threads' arrivals
+      mbar_init(bar_base + 8 * (kStages + s), kConsumerThreads);      // every consumer thread
+    }
+  }
+  __syncthreads();
+
+  if (threadIdx.x >= kConsumerThreads) {
+    setmaxnreg_dec<kProducerRegs>();
+    producer(p, smem, bar_base, expert, ntile, row_start, valid_rows);
+    return;
+  }
+  setmaxnreg_inc<kConsumerRegs>();
+
+  const int ctid = threadIdx.x;
+  if (p.epilogue == Epilogue::Gemm2)
+    for (int i = ctid; i < valid_rows; i += kConsumerThreads) tok_entry[i] = p.row_to_entry[row_start + i];
+
+  float acc[2][64];
+#pragma unroll
+  for (int b = 0; b < 2; ++b)
+#pragma unroll
+    for (int i = 0; i < 64; ++i) acc[b][i] = 0.0f;
+  if (valid_rows <= 8) consumer_mainloop<8>(p, smem, bar_base, acc);
+  else if (valid_rows <= 16) consumer_mainloop<16>(p, smem, bar_base, acc);
+  else if (valid_rows <= 32) consumer_mainloop<32>(p, smem, bar_base, acc);
+  else if (valid_rows <= 64) consumer_mainloop<64>(p, smem, bar_base, acc);
+  else consumer_mainloop<128>(p, smem, bar_base, acc);
+
+  const int wg = ctid / 128, warp = (ctid / 32) % 4, lane = ctid % 32, g = lane / 4, t = lane % 4;
+  const float alpha = p.alpha[expert];
+  const int jmax = (valid_rows + 7) / 8;  // n8 chunks with valid tokens
+  consumer_sync();  // every consumer is past its last wgmma: the ring is free; tok_entry is visible
+
+  if (p.epilogue == Epilogue::Gemm2) {
+#pragma unroll
+    for (int b = 0; b < 2; ++b) {
+      const int mt = wg * 8 + b * 4 + warp;
+      const int n_lo = ntile * kBlockN + 16 * mt + g;
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+        if (j >= jmax) break;
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          const int n = n_lo + (r >= 2 ? 8 : 0);
+          const int tok = 8 * j + 2 * t + (r & 1);
+          if (tok < valid_rows && n < p.N)
+            p.y[static_cast<int64_t>(tok_entry[tok]) * p.N + n] = epilogue_scale(alpha, acc[b][4 * j + r]);
+        }
+      }
+    }
+    return;
+  }
+
+  // GEMM1: h = alpha * acc into the staging tile stg[row][token] (fp32; gated: gate i at row i, up i
+  // at row 128 + i; relu2: weight row n at row n), then per (token, 16 columns) the activation.
+  float* stg = reinterpret_cast<float*>(smem);
+  const bool gated = p.epilogue == Epilogue::Gemm1Gated;
+#pragma unroll
+  for (int b = 0; b < 2; ++b) {
+    const int mt = wg * 8 + b * 4 + warp;
+    const int row_g = gated ? 8 * mt + g : 16 * mt + g;            // rows g of the m16 tile
+    const int row_g8 = gated ? kBlockN / 2 + 8 * mt + g : 16 * mt + g + 8;  // rows g+8
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      if (j >= jmax) break;
+      const int tok = 8 * j + 2 * t;
+      *reinterpret_cast<float2*>(stg + row_g * kStagingStride + tok) =
+          make_float2(epilogue_scale(alpha, acc[b][4 * j + 0]), epilogue_scale(alpha, acc[b][4 * j + 1]));
+      *reinterpret_cast<float2*>(stg + row_g8 * kStagingStride + tok) =
+          make_float2(epilogue_scale(alpha, acc[b][4 * j + 2]), epilogue_scale(alpha, acc[b][4 * j + 3]));
+    }
+  }
+  consumer_sync();
+
+  const int cols_cta = gated ? kBlockN / 2 : kBlockN;
+  const int i0 = ntile * cols_cta;
+  const int valid_cols = min(cols_cta, p.out_cols - i0);
+  const int items = (valid_cols / 16) * valid_rows;
+  float gs = 0.0f, inv_gs = 0.0f;
+  if (p.quantize) {
+    gs = nvfp4::global_inv_scale(p.act_scale[expert]);
+    inv_gs = __fdiv_rn(1.0f, gs);
+  }
+  for (int item = ctid; item < items; item += kConsumerThreads) {
+    const int tok = item % valid_rows, blk = item / valid_rows;
+    float x[16];
+    for (int i = 0; i < 16; ++i) {
+      const float h = stg[(blk * 16 + i) * kStagingStride + tok];
+      const float u = gated ? stg[(kBlockN / 2 + blk * 16 + i) * kStagingStride + tok] : 0.0f;
+      x[i] = activation(p.act, h, u);
+    }
+    if (p.quantize) nvfp4::fake_quantize_block16(x, gs, inv_gs);  // q*sf, exact in bf16
+    uint4 lo, hi;
+    lo.x = pack_bf16x2(x[0], x[1]);
+    lo.y = pack_bf16x2(x[2], x[3]);
+    lo.z = pack_bf16x2(x[4], x[5]);
+    lo.w = pack_bf16x2(x[6], x[7]);
+    hi.x = pack_bf16x2(x[8], x[9]);
+    hi.y = pack_bf16x2(x[10], x[11]);
+    hi.z = pack_bf16x2(x[12], x[13]);
+    hi.w = pack_bf16x2(x[14], x[15]);
+    uint4* dst = reinterpret_cast<uint4*>(p.act_out + (row_start + tok) * static_cast<int64_t>(p.out_cols) + i0 + blk * 16);
+    dst[0] = lo;
+    dst[1] = hi;
+  }
+}
+
+}  // namespace fp4moe::kernels::sm90gemm

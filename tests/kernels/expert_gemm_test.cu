@@ -1,0 +1,574 @@
+// tests/kernels/expert_gemm_test.cu — the expert GEMMs (launch_gemm1_act, launch_gemm2) and the weight
+// prepack against the CPU oracle (format::dequantize_nvfp4, reference::apply_activation,
+// format::quantize_nvfp4), on random problems with ragged experts (0, 1, 9, 17, 63, 64, 65, 4097 rows),
+// shapes that are not tile multiples (K = 2880, 96; N = 192, 2880), every activation and quant mode.
+//
+// Tolerance (docs/numerics.md): the GPU sums the exact products a_i * w_i in fp32 (tensor-core order),
+// the oracle in double rounded once; per output
+//   h:    |h_gpu - h_ref| <= 1e-5 * |alpha| * sum_i |a_i w_i|          (err_h; ~30x the sqrt(K) * 2^-24
+//                                                                        estimate for K <= 8192)
+//   y:    GEMM2 output is h itself.
+//   act:  w4a16: |gpu - ref| <= 1 bf16 ulp of ref + L * err_h, L a local Lipschitz bound of the
+//         activation (4 (|u| + 1) + 2|g| for d/dg, |g| + 7 for d/du, covering all four kinds).
+//         w4a4: the 16-blocks are compared: a block matches when each value is within that bound;
+//         at most max(2, 0.5%) of the blocks may differ (a value near a rounding boundary of the
+//         re-quantization may flip), and those only by less than half the block's amax.
+// The layout test needs no GPU: it emulates each lane's fragment decode on the host.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "fp4moe/error.hpp"
+#include "fp4moe/format.hpp"
+#include "fp4moe/reference.hpp"
+#include "kernels/expert_gemm_layout.cuh"
+#include "kernels/launch.hpp"
+#include "kernels/gpu_test_util.hpp"
+
+namespace fp4moe {
+namespace {
+
+using test::DeviceBuffer;
+namespace fl = kernels::fp4layout;
+
+float bf16_bits_to_float(uint16_t b) { return format::bf16_to_float(b); }
+float bf16_round(float x) { return format::bf16_to_float(format::bf16_from_float(x)); }
+// Unit in the last place of a bf16 value of magnitude |x| (normal range; the subnormal quantum below).
+double bf16_ulp(double x) {
+  const double a = std::fabs(x);
+  if (!(a >= 1.1754943508222875e-38)) return std::ldexp(1.0, -133);
+  return std::ldexp(1.0, std::ilogb(a) - 7);
+}
+
+// Random canonical NVFP4 weights [E, N, K/2] + scales [E, N, K/16]: every e2m1 code; scales mostly
+// 2^-3..2^3, with some zero, subnormal, negative and maximal (448) codes.
+struct CanonicalWeights {
+  std::vector<uint8_t> w, scale;
+};
+CanonicalWeights random_weights(std::mt19937& rng, int64_t E, int64_t N, int64_t K) {
+  CanonicalWeights cw;
+  cw.w.resize(static_cast<size_t>(E * N * K / 2));
+  cw.scale.resize(static_cast<size_t>(E * N * K / 16));
+  std::uniform_int_distribution<int> byte(0, 255), pick(0, 99), normal(0x20, 0x50), sub(1, 7);
+  for (auto& b : cw.w) b = static_cast<uint8_t>(byte(rng));
+  for (auto& s : cw.scale) {
+    const int p = pick(rng);
+    uint8_t c = static_cast<uint8_t>(normal(rng));
+    if (p < 3) c = 0x00;
+    else if (p < 6) c = static_cast<uint8_t>(sub(rng));
+    else if (p < 7) c = 0x7E;
+    if (pick(rng) < 4) c |= 0x80;  // a negative scale: q * sf with sf < 0
+    s = c;
+  }
+  return cw;
+}
+
+// ---- layout (CPU only) --------------------------------------------------------------------------------
+// Decodes the prepacked arrays the way lane 4g+t of a consumer does and checks that every element comes
+// out as q * sf * 2^-8 of the canonical weights (bit-exact), at the column the fragment layout says.
+void check_prepack_roundtrip(int64_t E, int64_t N, int64_t K, uint32_t seed) {
+  std::mt19937 rng(seed);
+  const CanonicalWeights cw = random_weights(rng, E, N, K);
+  std::vector<uint8_t> pw, ps;
+  const kernels::PrepackedWeights info = kernels::prepack_expert_weights(cw.w.data(), cw.scale.data(), E, N, K, pw, ps);
+  ASSERT_EQ(info.padded_cols % fl::kChunkK, 0);
+  ASSERT_GE(info.padded_cols, K);
+  ASSERT_LT(info.padded_cols - K, fl::kChunkK);
+  ASSERT_EQ(pw.size(), info.weight_bytes);
+  ASSERT_EQ(ps.size(), info.scale_bytes);
+  const int64_t groups = N / 8, chunks = info.padded_cols / fl::kChunkK;
+  std::vector<float> ref(static_cast<size_t>(N * K));
+  int64_t mismatches = 0;
+  for (int64_t e = 0; e < E; ++e) {
+    format::dequantize_nvfp4(cw.w.data() + e * N * K / 2, cw.scale.data() + e * N * K / 16, N, K, ref.data());
+    for (int64_t grp = 0; grp < groups; ++grp)
+      for (int64_t c = 0; c < chunks; ++c) {
+        const uint8_t* wchunk = pw.data() + fl::weight_offset(e, grp, c, groups, chunks);
+        const uint8_t* schunk = ps.data() + fl::scale_offset(e, grp, c, groups, chunks);
+        for (int lane = 0; lane < 32; ++lane) {
+          const int g = lane / 4, t = lane % 4;
+          const int64_t n = grp * 8 + g;
+          uint32_t scodes[2];
+          std::memcpy(scodes, schunk + g * 8, 8);
+          for (int q = 0; q < 4; ++q) {
+            uint32_t word;
+            std::memcpy(&word, wchunk + lane * 16 + q * 4, 4);
+            uint32_t out[4];
+            fl::decode_word(word, out);
+            const uint32_t sc = fl::decode_scale_pair(scodes[q / 2], (q & 1) != 0);
+            for (int j = 0; j < 4; ++j)
+              for (int h = 0; h < 2; ++h) {
+                const float wv = bf16_bits_to_float(static_cast<uint16_t>(out[j] >> (16 * h)));
+                const float sv = bf16_bits_to_float(static_cast<uint16_t>(sc >> (16 * (j / 2))));  // steps 2q, 2q+1
+                const float got = wv * sv;  // exact (the bf16 product is exact, so is this fp32 one)
+                EXPECT_EQ(got, bf16_round(got)) << "decoded weight is not a bf16 value";
+                const int64_t k = c * fl::kChunkK + fl::element_col(q, j, h, t);
+                const float want = k < K ? std::ldexp(ref[static_cast<size_t>(n * K + k)], -8) : 0.0f;
+                if (!(got == want) && mismatches++ < 10)
+                  ADD_FAILURE() << "expert " << e << " row " << n << " col " << k << ": decoded " << got
+                                << ", want " << want;
+              }
+          }
+        }
+      }
+  }
+  EXPECT_EQ(mismatches, 0);
+}
+
+TEST(ExpertGemmLayout, PrepackDecodeRoundTrip) {
+  check_prepack_roundtrip(2, 16, 128, 1);
+  check_prepack_roundtrip(3, 48, 96, 2);     // K < 128: padded chunk
+  check_prepack_roundtrip(1, 32, 2880, 3);   // K % 128 == 64
+  check_prepack_roundtrip(2, 64, 272, 4);
+}
+
+TEST(ExpertGemmLayout, DecodesEveryCodeAndScale) {
+  // K = 128, the first row group: rows 0..7 see every e2m1 code against every scale class.
+  const int64_t N = 16, K = 128;
+  std::vector<uint8_t> w(N * K / 2), s(N * K / 16);
+  for (size_t i = 0; i < w.size(); ++i) w[i] = static_cast<uint8_t>(i * 37 + 11);
+  const uint8_t scales[] = {0x00, 0x01, 0x02, 0x03, 0x04, 0x05, 0x06, 0x07, 0x08, 0x38, 0x7E, 0x80, 0x81, 0xB8, 0xFE, 0x0F};
+  for (size_t i = 0; i < s.size(); ++i) s[i] = scales[i % 16];
+  std::vector<uint8_t> pw, ps;
+  kernels::prepack_expert_weights(w.data(), s.data(), 1, N, K, pw, ps);
+  std::vector<float> ref(N * K);
+  format::dequantize_nvfp4(w.data(), s.data(), N, K, ref.data());
+  for (int lane = 0; lane < 32; ++lane) {
+    const int g = lane / 4, t = lane % 4;
+    uint32_t scodes[2];
+    std::memcpy(scodes, ps.data() + g * 8, 8);
+    for (int q = 0; q < 4; ++q) {
+      uint32_t word, out[4];
+      std::memcpy(&word, pw.data() + lane * 16 + q * 4, 4);
+      fl::decode_word(word, out);
+      const uint32_t sc = fl::decode_scale_pair(scodes[q / 2], (q & 1) != 0);
+      for (int j = 0; j < 4; ++j)
+        for (int h = 0; h < 2; ++h) {
+          const float got = bf16_bits_to_float(static_cast<uint16_t>(out[j] >> (16 * h))) *
+                            bf16_bits_to_float(static_cast<uint16_t>(sc >> (16 * (j / 2))));
+          const int k = fl::element_col(q, j, h, t);
+          EXPECT_EQ(got * fl::kAccumulatorScale, ref[g * K + k]) << "row " << g << " col " << k;
+        }
+    }
+  }
+}
+
+TEST(ExpertGemmLayout, PrepackRejectsBadInput) {
+  std::vector<uint8_t> w(16 * 32 / 2, 0x22), s(16 * 32 / 16, 0x38), pw, ps;
+  EXPECT_THROW(kernels::prepack_expert_weights(w.data(), s.data(), 1, 16, 24, pw, ps), Error);  // K % 16
+  EXPECT_THROW(kernels::prepack_expert_weights(w.data(), s.data(), 1, 8, 32, pw, ps), Error);   // N % 16
+  s[5] = 0x7F;  // NaN scale
+  EXPECT_THROW(kernels::prepack_expert_weights(w.data(), s.data(), 1, 16, 32, pw, ps), Error);
+  s[5] = 0xFF;
+  EXPECT_THROW(kernels::prepack_expert_weights(w.data(), s.data(), 1, 16, 32, pw, ps), Error);
+}
+
+// ---- GPU -----------------------------------------------------------------------------------------------
+struct GemmCase {
+  std::string name;
+  int64_t E, H, I;
+  std::vector<int64_t> rows;  // rows per expert (size E)
+  ActivationParams act;
+  ActQuant mode;
+  uint32_t seed;
+};
+
+// Rows permuted expert-major, the tile table of gemm_tile_rows() (entries past num_tiles poisoned).
+struct Routing {
+  std::vector<int32_t> offsets, tile_expert, tile_row_start, row_to_entry;
+  int32_t num_tiles = 0;
+  int64_t rows = 0, max_tiles = 0;
+};
+Routing make_routing(const std::vector<int64_t>& counts, std::mt19937& rng) {
+  Routing r;
+  const int64_t E = static_cast<int64_t>(counts.size());
+  r.offsets.assign(E + 1, 0);
+  for (int64_t e = 0; e < E; ++e) r.offsets[e + 1] = r.offsets[e] + static_cast<int32_t>(counts[e]);
+  r.rows = r.offsets[E];
+  const int tile = kernels::gemm_tile_rows();
+  r.max_tiles = kernels::max_tiles(r.rows, E, tile);
+  for (int64_t e = 0; e < E; ++e)
+    for (int32_t s = r.offsets[e]; s < r.offsets[e + 1]; s += tile) {
+      r.tile_expert.push_back(static_cast<int32_t>(e));
+      r.tile_row_start.push_back(s);
+    }
+  r.num_tiles = static_cast<int32_t>(r.tile_expert.size());
+  EXPECT_LE(r.num_tiles, r.max_tiles);
+  r.tile_expert.resize(std::max<int64_t>(r.max_tiles, 1), -7);  // never read
+  r.tile_row_start.resize(std::max<int64_t>(r.max_tiles, 1), -7);
+  r.row_to_entry.resize(r.rows);
+  std::iota(r.row_to_entry.begin(), r.row_to_entry.end(), 0);
+  std::shuffle(r.row_to_entry.begin(), r.row_to_entry.end(), rng);
+  return r;
+}
+
+// CPU: h[r][n] = alpha[e] * float(double dot) and sum_i |a_i w_i| (for the tolerance).
+struct RefGemm {
+  std::vector<float> h;
+  std::vector<double> abs_sum;
+};
+RefGemm ref_gemm(const std::vector<float>& a, const CanonicalWeights& cw, const std::vector<float>& alpha,
+                 const Routing& rt, int64_t E, int64_t N, int64_t K) {
+  RefGemm out;
+  out.h.assign(static_cast<size_t>(rt.rows * N), 0.0f);
+  out.abs_sum.assign(static_cast<size_t>(rt.rows * N), 0.0);
+  std::vector<float> W(static_cast<size_t>(N * K));
+  for (int64_t e = 0; e < E; ++e) {
+    if (rt.offsets[e + 1] == rt.offsets[e]) continue;
+    format::dequantize_nvfp4(cw.w.data() + e * N * K / 2, cw.scale.data() + e * N * K / 16, N, K, W.data());
+    for (int64_t r = rt.offsets[e]; r < rt.offsets[e + 1]; ++r)
+      for (int64_t n = 0; n < N; ++n) {
+        double acc = 0.0, s = 0.0;
+        const float* ar = a.data() + r * K;
+        const float* wr = W.data() + n * K;
+        for (int64_t k = 0; k < K; ++k) {
+          const double p = static_cast<double>(ar[k]) * wr[k];
+          acc += p;
+          s += std::fabs(p);
+        }
+        out.h[r * N + n] = alpha[e] * static_cast<float>(acc);
+        out.abs_sum[r * N + n] = s * std::fabs(alpha[e]);
+      }
+  }
+  return out;
+}
+
+// Random bf16 activations [rows, K] (values and bits).
+void random_activations(std::mt19937& rng, int64_t rows, int64_t K, std::vector<float>& vals,
+                        std::vector<uint16_t>& bits) {
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  std::uniform_int_distribution<int> ex(-3, 2);
+  vals.resize(static_cast<size_t>(rows * K));
+  bits.resize(vals.size());
+  for (size_t i = 0; i < vals.size(); ++i) {
+    bits[i] = format::bf16_from_float(std::ldexp(u(rng), ex(rng)));
+    vals[i] = format::bf16_to_float(bits[i]);
+  }
+}
+
+std::vector<float> random_alpha(std::mt19937& rng, int64_t E) {
+  std::uniform_real_distribution<float> u(0.25f, 2.0f);
+  std::vector<float> a(E);
+  for (auto& x : a) x = u(rng);
+  return a;
+}
+
+struct DeviceWeights {
+  kernels::PrepackedWeights info;
+  DeviceBuffer<uint8_t> w, s;
+};
+void upload_weights(const CanonicalWeights& cw, int64_t E, int64_t N, int64_t K, DeviceWeights& dw) {
+  std::vector<uint8_t> pw, ps;
+  dw.info = kernels::prepack_expert_weights(cw.w.data(), cw.scale.data(), E, N, K, pw, ps);
+  dw.w = DeviceBuffer<uint8_t>(pw);
+  dw.s = DeviceBuffer<uint8_t>(ps);
+}
+
+struct DeviceRouting {
+  DeviceBuffer<int32_t> offsets, tile_expert, tile_row_start, num_tiles, row_to_entry;
+};
+void upload_routing(const Routing& rt, DeviceRouting& d) {
+  d.offsets = DeviceBuffer<int32_t>(rt.offsets);
+  d.tile_expert = DeviceBuffer<int32_t>(rt.tile_expert);
+  d.tile_row_start = DeviceBuffer<int32_t>(rt.tile_row_start);
+  d.num_tiles = DeviceBuffer<int32_t>(std::vector<int32_t>{rt.num_tiles});
+  std::vector<int32_t> r2e = rt.row_to_entry;
+  if (r2e.empty()) r2e.push_back(0);
+  d.row_to_entry = DeviceBuffer<int32_t>(r2e);
+}
+
+void fill_common(kernels::ExpertGemmArgs& g, const DeviceWeights& dw, const DeviceRouting& dr, const Routing& rt,
+                 const __nv_bfloat16* a, const float* alpha, int64_t E, int64_t N, int64_t K) {
+  g.a = a;
+  g.w = dw.w.get();
+  g.w_scale = dw.s.get();
+  g.weights = dw.info;
+  g.alpha = alpha;
+  g.expert_offsets = dr.offsets.get();
+  g.tile_expert = dr.tile_expert.get();
+  g.tile_row_start = dr.tile_row_start.get();
+  g.num_tiles = dr.num_tiles.get();
+  g.max_tiles = rt.max_tiles;
+  g.num_experts = static_cast<int>(E);
+  g.K = K;
+  g.N = N;
+}
+
+constexpr int64_t kGuardRows = 3;  // rows past the end of every output, must stay poisoned
+
+// Local Lipschitz bound of the activations (see the header comment), times the h errors.
+double act_error(float g, float u, double err_g, double err_u) {
+  return (4.0 * (std::fabs(u) + 1.0) + 2.0 * std::fabs(g)) * err_g + (std::fabs(g) + 7.0) * err_u;
+}
+
+void run_gemm1(const GemmCase& c) {
+  SCOPED_TRACE(c.name);
+  std::mt19937 rng(c.seed);
+  const bool gated = c.act.kind != Activation::Relu2;
+  const int64_t E = c.E, K = c.H, I = c.I, N = gated ? 2 * I : I;
+  const Routing rt = make_routing(c.rows, rng);
+  const int64_t R = rt.rows;
+  std::vector<float> a;
+  std::vector<uint16_t> abits;
+  random_activations(rng, R, K, a, abits);
+  const CanonicalWeights cw = random_weights(rng, E, N, K);
+  const std::vector<float> alpha = random_alpha(rng, E);
+  const RefGemm ref = ref_gemm(a, cw, alpha, rt, E, N, K);
+  const bool w4a4 = c.mode != ActQuant::W4A16;
+
+  // Reference activation, and the input scale of the re-quantization: amax of the expert / (448 * 6).
+  std::vector<float> act(static_cast<size_t>(R * I)), act_err(static_cast<size_t>(R * I));
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t i = 0; i < I; ++i) {
+      const float g = ref.h[r * N + i], u = gated ? ref.h[r * N + I + i] : 0.0f;
+      const double eg = 1e-5 * ref.abs_sum[r * N + i], eu = gated ? 1e-5 * ref.abs_sum[r * N + I + i] : 0.0;
+      act[r * I + i] = reference::apply_activation(c.act, g, u);
+      act_err[r * I + i] = static_cast<float>(act_error(g, u, eg, eu));
+    }
+  std::vector<float> act_scale(E, 1.0f);
+  for (int64_t e = 0; e < E; ++e) {
+    float amax = 0.0f;
+    for (int64_t r = rt.offsets[e]; r < rt.offsets[e + 1]; ++r)
+      for (int64_t i = 0; i < I; ++i) amax = std::max(amax, std::fabs(act[r * I + i]));
+    if (amax > 0.0f) act_scale[e] = amax / (448.0f * 6.0f);
+  }
+  std::vector<float> want(act.size());
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t r = rt.offsets[e]; r < rt.offsets[e + 1]; ++r) {
+      if (!w4a4) {
+        for (int64_t i = 0; i < I; ++i) want[r * I + i] = bf16_round(act[r * I + i]);
+      } else {
+        std::vector<uint8_t> packed(I / 2), sf(I / 16);
+        format::quantize_nvfp4(act.data() + r * I, 1, I, act_scale[e], packed.data(), sf.data());
+        format::dequantize_nvfp4(packed.data(), sf.data(), 1, I, want.data() + r * I);
+      }
+    }
+
+  DeviceWeights dw;
+  upload_weights(cw, E, N, K, dw);
+  DeviceRouting dr;
+  upload_routing(rt, dr);
+  std::vector<uint16_t> abuf = abits;
+  if (abuf.empty()) abuf.push_back(0);
+  DeviceBuffer<uint16_t> d_a(abuf);
+  DeviceBuffer<float> d_alpha(alpha), d_act_scale(act_scale);
+  DeviceBuffer<uint16_t> d_out(static_cast<size_t>((R + kGuardRows) * I));
+  d_out.poison(0xFF);
+  ASSERT_TRUE(d_a.ok() && d_out.ok() && dw.w.ok() && dw.s.ok());
+
+  kernels::Gemm1Args g;
+  fill_common(g, dw, dr, rt, reinterpret_cast<const __nv_bfloat16*>(d_a.get()), d_alpha.get(), E, N, K);
+  g.activation = c.act;
+  g.mode = c.mode;
+  g.act_scale = d_act_scale.get();
+  g.act = reinterpret_cast<__nv_bfloat16*>(d_out.get());
+  CUDA_ASSERT(kernels::launch_gemm1_act(g, nullptr));
+  CUDA_ASSERT(cudaDeviceSynchronize());
+  const std::vector<uint16_t> out = d_out.download();
+
+  for (int64_t i = R * I; i < (R + kGuardRows) * I; ++i)
+    ASSERT_EQ(out[i], 0xFFFF) << "write past the last row at element " << i;
+  int64_t bad = 0, bad_blocks = 0;
+  const int64_t blocks = R * I / 16;
+  for (int64_t b = 0; b < blocks; ++b) {
+    bool block_ok = true;
+    double amax = 0.0;
+    for (int64_t i = b * 16; i < b * 16 + 16; ++i) amax = std::max(amax, std::fabs(static_cast<double>(want[i])));
+    for (int64_t i = b * 16; i < b * 16 + 16; ++i) {
+      const float got = bf16_bits_to_float(out[i]);
+      const double diff = std::fabs(static_cast<double>(got) - want[i]);
+      const double tol = bf16_ulp(want[i]) + act_err[i];
+      if (std::isnan(got) || !(diff <= tol)) {
+        block_ok = false;
+        // w4a4: a re-quantization flip is allowed, but only a small one.
+        if (!w4a4 || std::isnan(got) || !(diff <= 0.5 * amax + tol)) {
+          if (bad++ < 10)
+            ADD_FAILURE() << "row " << i / I << " col " << i % I << ": got " << got << ", want " << want[i]
+                          << " (tol " << tol << ")";
+        }
+      }
+    }
+    if (!block_ok) ++bad_blocks;
+  }
+  EXPECT_EQ(bad, 0);
+  if (!w4a4) {
+    EXPECT_EQ(bad_blocks, 0);
+  } else {
+    EXPECT_LE(bad_blocks, std::max<int64_t>(2, blocks / 200)) << "of " << blocks << " blocks";
+  }
+}
+
+void run_gemm2(const GemmCase& c) {
+  SCOPED_TRACE(c.name);
+  std::mt19937 rng(c.seed + 1000);
+  const int64_t E = c.E, K = c.I, N = c.H;
+  const Routing rt = make_routing(c.rows, rng);
+  const int64_t R = rt.rows;
+  std::vector<float> a;
+  std::vector<uint16_t> abits;
+  random_activations(rng, R, K, a, abits);
+  const CanonicalWeights cw = random_weights(rng, E, N, K);
+  const std::vector<float> alpha = random_alpha(rng, E);
+  const RefGemm ref = ref_gemm(a, cw, alpha, rt, E, N, K);
+
+  DeviceWeights dw;
+  upload_weights(cw, E, N, K, dw);
+  DeviceRouting dr;
+  upload_routing(rt, dr);
+  std::vector<uint16_t> abuf = abits;
+  if (abuf.empty()) abuf.push_back(0);
+  DeviceBuffer<uint16_t> d_a(abuf);
+  DeviceBuffer<float> d_alpha(alpha);
+  DeviceBuffer<float> d_y(static_cast<size_t>((R + kGuardRows) * N));
+  d_y.poison(0xFF);
+  ASSERT_TRUE(d_a.ok() && d_y.ok());
+
+  kernels::Gemm2Args g;
+  fill_common(g, dw, dr, rt, reinterpret_cast<const __nv_bfloat16*>(d_a.get()), d_alpha.get(), E, N, K);
+  g.row_to_entry = dr.row_to_entry.get();
+  g.y = d_y.get();
+  CUDA_ASSERT(kernels::launch_gemm2(g, nullptr));
+  CUDA_ASSERT(cudaDeviceSynchronize());
+  const std::vector<float> y = d_y.download();
+
+  for (int64_t i = R * N; i < (R + kGuardRows) * N; ++i)
+    ASSERT_EQ(test::float_bits(y[i]), 0xFFFFFFFFu) << "write past the last entry at element " << i;
+  int64_t bad = 0;
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t entry = rt.row_to_entry[r];
+    for (int64_t n = 0; n < N; ++n) {
+      const float got = y[entry * N + n], want = ref.h[r * N + n];
+      const double tol = 1e-5 * ref.abs_sum[r * N + n] + 1e-30;
+      if (!(std::fabs(static_cast<double>(got) - want) <= tol) && bad++ < 10)
+        ADD_FAILURE() << "row " << r << " (entry " << entry << ") n " << n << ": got " << got << ", want " << want
+                      << " (tol " << tol << ")";
+    }
+  }
+  EXPECT_EQ(bad, 0);
+}
+
+ActivationParams act_of(Activation k) {
+  ActivationParams p;
+  p.kind = k;
+  return p;
+}
+
+// Rows per expert: every wgmma width (1..8, 9..16, 17..32, 33..64, 65..128) and multi-tile experts.
+const std::vector<int64_t> kRagged16 = {0, 1, 9, 17, 33, 63, 64, 65, 127, 128, 129, 0, 4097, 5, 200, 2};
+
+TEST(ExpertGemmKernel, Gemm1TinySwiglu) {
+  FP4MOE_REQUIRE_SM90();
+  run_gemm1({"tiny", 1, 32, 16, {1}, act_of(Activation::SwiGLU), ActQuant::W4A16, 11});
+  run_gemm1({"tiny-w4a4", 2, 64, 32, {3, 0}, act_of(Activation::SwiGLU), ActQuant::W4A4Scalar, 12});
+}
+
+TEST(ExpertGemmKernel, Gemm2Tiny) {
+  FP4MOE_REQUIRE_SM90();
+  run_gemm2({"tiny", 1, 32, 16, {1}, act_of(Activation::SwiGLU), ActQuant::W4A16, 13});
+  run_gemm2({"tiny-2", 2, 48, 96, {0, 7}, act_of(Activation::SwiGLU), ActQuant::W4A16, 14});
+}
+
+TEST(ExpertGemmKernel, Gemm1GptOssShapes) {  // K = 2880 (chunk tail), I = 96 (< 128 columns per CTA)
+  FP4MOE_REQUIRE_SM90();
+  ActivationParams oai = act_of(Activation::SwiGLUOai);
+  run_gemm1({"oai-w4a16", 4, 2880, 96, {0, 1, 63, 65}, oai, ActQuant::W4A16, 21});
+  run_gemm1({"oai-w4a4", 4, 2880, 96, {2, 64, 0, 17}, oai, ActQuant::W4A4PerExpert, 22});
+}
+
+TEST(ExpertGemmKernel, Gemm2GptOssShapes) {  // K = 96 (padded to 128), N = 2880 (partial CTA)
+  FP4MOE_REQUIRE_SM90();
+  run_gemm2({"oai", 4, 2880, 96, {0, 1, 63, 65}, act_of(Activation::SwiGLU), ActQuant::W4A16, 23});
+}
+
+TEST(ExpertGemmKernel, Gemm1RaggedExperts) {
+  FP4MOE_REQUIRE_SM90();
+  run_gemm1({"swiglu-w4a16", 16, 256, 128, kRagged16, act_of(Activation::SwiGLU), ActQuant::W4A16, 31});
+  run_gemm1({"geglu-w4a4", 16, 256, 144, kRagged16, act_of(Activation::GeGLU), ActQuant::W4A4Scalar, 32});
+}
+
+TEST(ExpertGemmKernel, Gemm2RaggedExperts) {
+  FP4MOE_REQUIRE_SM90();
+  run_gemm2({"ragged", 16, 272, 256, kRagged16, act_of(Activation::SwiGLU), ActQuant::W4A16, 33});
+}
+
+TEST(ExpertGemmKernel, Gemm1Relu2) {  // not gated: w13 has I rows, N = I = 320 (partial second CTA)
+  FP4MOE_REQUIRE_SM90();
+  run_gemm1({"relu2-w4a16", 4, 384, 320, {70, 0, 1, 130}, act_of(Activation::Relu2), ActQuant::W4A16, 41});
+  run_gemm1({"relu2-w4a4", 4, 384, 320, {70, 0, 1, 130}, act_of(Activation::Relu2), ActQuant::W4A4PerExpert, 42});
+}
+
+TEST(ExpertGemmKernel, LargerShapes) {  // deeper K, several CTAs along N, one expert with every row
+  FP4MOE_REQUIRE_SM90();
+  run_gemm1({"deep", 2, 2048, 384, {300, 129}, act_of(Activation::SwiGLU), ActQuant::W4A16, 51});
+  run_gemm2({"deep", 2, 1024, 1536, {300, 129}, act_of(Activation::SwiGLU), ActQuant::W4A16, 52});
+}
+
+TEST(ExpertGemmKernel, NoRowsLaunchesNothing) {
+  FP4MOE_REQUIRE_SM90();
+  run_gemm1({"empty", 4, 64, 32, {0, 0, 0, 0}, act_of(Activation::SwiGLU), ActQuant::W4A16, 61});
+  run_gemm2({"empty", 4, 64, 32, {0, 0, 0, 0}, act_of(Activation::SwiGLU), ActQuant::W4A16, 62});
+}
+
+TEST(ExpertGemmKernel, RejectsBadArguments) {
+  FP4MOE_REQUIRE_SM90();
+  std::mt19937 rng(71);
+  const CanonicalWeights cw = random_weights(rng, 1, 32, 64);
+  DeviceWeights dw;
+  upload_weights(cw, 1, 32, 64, dw);
+  DeviceBuffer<int32_t> dummy(std::vector<int32_t>(8, 0));
+  DeviceBuffer<float> f(std::vector<float>(64, 1.0f));
+  DeviceBuffer<uint16_t> a(std::vector<uint16_t>(64, 0));
+  auto base = [&](kernels::ExpertGemmArgs& g) {
+    g.a = reinterpret_cast<const __nv_bfloat16*>(a.get());
+    g.w = dw.w.get();
+    g.w_scale = dw.s.get();
+    g.weights = dw.info;
+    g.alpha = f.get();
+    g.expert_offsets = dummy.get();
+    g.tile_expert = dummy.get();
+    g.tile_row_start = dummy.get();
+    g.num_tiles = dummy.get();
+    g.max_tiles = 1;
+    g.num_experts = 1;
+    g.K = 64;
+    g.N = 32;
+  };
+  kernels::Gemm2Args g2;
+  base(g2);
+  g2.row_to_entry = dummy.get();
+  g2.y = f.get();
+  kernels::Gemm2Args bad = g2;
+  bad.K = 48;  // does not match the prepacked weights
+  EXPECT_EQ(kernels::launch_gemm2(bad, nullptr), cudaErrorInvalidValue);
+  bad = g2;
+  bad.N = 24;  // not a multiple of 16
+  EXPECT_EQ(kernels::launch_gemm2(bad, nullptr), cudaErrorInvalidValue);
+  bad = g2;
+  bad.y = nullptr;
+  EXPECT_EQ(kernels::launch_gemm2(bad, nullptr), cudaErrorInvalidValue);
+  bad = g2;
+  bad.a = reinterpret_cast<const __nv_bfloat16*>(reinterpret_cast<const char*>(a.get()) + 2);  // misaligned
+  EXPECT_EQ(kernels::launch_gemm2(bad, nullptr), cudaErrorInvalidValue);
+  kernels::Gemm1Args g1;
+  base(g1);
+  g1.act = reinterpret_cast<__nv_bfloat16*>(a.get());
+  g1.mode = ActQuant::W4A4Scalar;
+  g1.act_scale = nullptr;  // needed by w4a4
+  EXPECT_EQ(kernels::launch_gemm1_act(g1, nullptr), cudaErrorInvalidValue);
+  g1.mode = ActQuant::W4A16;
+  g1.act = nullptr;
+  EXPECT_EQ(kernels::launch_gemm1_act(g1, nullptr), cudaErrorInvalidValue);
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+}
+
+}  // namespace
+}  // namespace fp4moe
