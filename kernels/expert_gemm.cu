@@ -51,6 +51,25 @@ sm90gemm::Params common_params(const ExpertGemmArgs& a) {
   return p;
 }
 
+}  // namespace
+
+cudaError_t configure_expert_gemm() {
+  // The shared-memory opt-in is set once per device.
+  static std::atomic<uint64_t> configured{0};
+  int device = 0;
+  if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
+  const uint64_t bit = device < 64 ? (uint64_t{1} << device) : 0;
+  if (bit != 0 && (configured.load() & bit)) return cudaSuccess;
+  if (cudaError_t e = cudaFuncSetAttribute(sm90gemm::expert_gemm_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           static_cast<int>(sm90gemm::kSmemBytes));
+      e != cudaSuccess)
+    return e;
+  configured.fetch_or(bit);
+  return cudaSuccess;
+}
+
+namespace {
+
 cudaError_t launch(const sm90gemm::Params& p, int64_t cols_per_cta, int64_t cols, cudaStream_t stream) {
   using namespace sm90gemm;
   if (p.max_tiles == 0) return cudaSuccess;
@@ -59,19 +78,7 @@ cudaError_t launch(const sm90gemm::Params& p, int64_t cols_per_cta, int64_t cols
   if (ctas > INT_MAX) return cudaErrorInvalidConfiguration;
   sm90gemm::Params q = p;
   q.n_ctas = static_cast<int>(n_ctas);
-  // The shared-memory opt-in is set once per device (not a stream operation, so also fine while a
-  // graph is being captured).
-  static std::atomic<uint64_t> configured{0};
-  int device = 0;
-  if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
-  const uint64_t bit = device < 64 ? (uint64_t{1} << device) : 0;
-  if (bit == 0 || !(configured.load() & bit)) {
-    if (cudaError_t e = cudaFuncSetAttribute(expert_gemm_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                             static_cast<int>(kSmemBytes));
-        e != cudaSuccess)
-      return e;
-    configured.fetch_or(bit);
-  }
+  if (cudaError_t e = configure_expert_gemm(); e != cudaSuccess) return e;
   expert_gemm_kernel<<<static_cast<unsigned>(ctas), kThreads, kSmemBytes, stream>>>(q);
   return cudaGetLastError();
 }

@@ -134,6 +134,10 @@ struct ExpertGemmArgs {
   int64_t K = 0;                          // reduction size (H for GEMM1, I for GEMM2)
   int64_t N = 0;                          // weight rows (w13_rows for GEMM1, H for GEMM2)
 };
+// One-time per-device setup of the GEMM kernels (shared-memory opt-in). The launchers call it too,
+// but a caller that captures CUDA graphs calls it before capturing (MoeRunner::prepare_weights does).
+cudaError_t configure_expert_gemm();
+
 // Token rows per GEMM tile: the tile table passed to the GEMMs must be built with this.
 int gemm_tile_rows();
 

@@ -172,6 +172,8 @@ Status GpuMoeRunner::prepare_weights_or_throw(const reference::MoeWeights& w, co
     }
   }
 
+  if (cudaError_t e = kernels::configure_expert_gemm(); e != cudaSuccess)
+    return Status::failure(cuda_message("prepare_weights: configuring the expert GEMM", e));
   std::vector<uint8_t> packed, packed_scale;
   std::string m;
   w13_ = kernels::prepack_expert_weights(w13.data(), w13_scale.data(), E, N13, H, packed, packed_scale);
@@ -218,6 +220,14 @@ Status GpuMoeRunner::check_args(cudaStream_t stream, const ForwardArgs& a, bool 
   const size_t need = workspace_size(max_tokens_);
   if (a.workspace_bytes < need) return fail("workspace_bytes must be >= workspace_size(max_tokens) = ", need, ", got ", a.workspace_bytes);
   if (a.num_tokens == 0) return Status::success();
+  // NOTE: pointer and stream queries are not stream operations, but CUDA counts them as unsafe while
+  // a graph is captured in global mode; a capturing call checks what needs no query.
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return fail("the stream is not a valid CUDA stream");
+  }
+  const bool capturing = capture != cudaStreamCaptureStatusNone;
   struct Ptr { const void* p; const char* name; size_t align; };
   std::vector<Ptr> ptrs = {{a.hidden, "hidden", 16}, {a.output, "output", 16}, {a.topk_ids, "topk_ids", 4},
                            {a.topk_weights, "topk_weights", 4}, {a.workspace, "workspace", kAlign}};
@@ -225,6 +235,7 @@ Status GpuMoeRunner::check_args(cudaStream_t stream, const ForwardArgs& a, bool 
   for (const Ptr& q : ptrs) {
     if (!q.p) return fail(q.name, " is null");
     if (reinterpret_cast<uintptr_t>(q.p) % q.align != 0) return fail(q.name, " must be ", q.align, "-byte aligned");
+    if (capturing) continue;
     cudaPointerAttributes attr{};
     if (cudaPointerGetAttributes(&attr, q.p) != cudaSuccess || attr.type != cudaMemoryTypeDevice)
       return (void)cudaGetLastError(), fail(q.name, " must be device memory");
@@ -236,7 +247,7 @@ Status GpuMoeRunner::check_args(cudaStream_t stream, const ForwardArgs& a, bool 
     return fail("routing method is precomputed: call forward_routed with topk_ids/topk_weights");
   if (a.routing_bias && problem_.routing.method != RoutingMethod::DeepSeekV3)
     return fail("routing_bias is only used by deepseek_v3 routing, got method ", to_string(problem_.routing.method));
-  if (stream) {
+  if (stream && !capturing) {
     int stream_device = -1;
     if (cudaStreamGetDevice(stream, &stream_device) == cudaSuccess && stream_device != device_)
       return fail("stream belongs to device ", stream_device, " but the runner is on device ", device_);
@@ -258,6 +269,7 @@ Status GpuMoeRunner::check_args(cudaStream_t stream, const ForwardArgs& a, bool 
 Status GpuMoeRunner::run(cudaStream_t stream, const ForwardArgs& a, bool routed, cudaEvent_t const* marks) {
   const char* fn = routed ? "forward_routed" : "forward";
   if (Status s = check_args(stream, a, routed); !s.ok()) return s;
+  (void)cudaGetLastError();  // a stale error of earlier, unrelated work must not be blamed on our kernels
   const MoeProblem& p = problem_;
   const int T = static_cast<int>(a.num_tokens), k = p.top_k(), E = static_cast<int>(p.num_experts);
   if (T == 0) return Status::success();

@@ -46,8 +46,9 @@ TEST(LayerGraph, SmallReplayMatchesEagerForward) {
     cudaGraphExec_t exec;
     CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
     const Status cs = runner->forward(s, a);
-    CK(cudaStreamEndCapture(s, &graph));
+    const cudaError_t end = cudaStreamEndCapture(s, &graph);
     ASSERT_TRUE(cs.ok()) << cs.message;
+    ASSERT_EQ(end, cudaSuccess) << cudaGetErrorString(end);
     CK(cudaGraphInstantiate(&exec, graph, 0));
     for (uint64_t seed : {21, 22, 23}) {  // new inputs in the same buffers, then replay vs eager
       io::MoeCase in = io::make_random_packed_case(p, T, seed);
