@@ -483,7 +483,7 @@ def parse_args(argv):
                     help="check each torch baseline against an fp32 loop on a few tokens before timing (default on)")
     ap.add_argument("--fp8-fast-accum", action="store_true",
                     help="use_fast_accum=True for torch._scaled_grouped_mm (default: torch's default, False)")
-    ap.add_argument("--anchors", help="a markdown table of reference numbers (../shared/anchors/README.md) to compare "
+    ap.add_argument("--anchors", help="a markdown table of reference numbers (bench/h200-reference-numbers.md) to compare "
                     "the torch rows and ceilings with")
     ap.add_argument("--seed", type=int, default=1)
     a = ap.parse_args(argv)

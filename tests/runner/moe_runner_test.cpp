@@ -7,7 +7,8 @@
 // the output differs from the reference only by fp32 summation order in the two GEMMs (the reference
 // sums in double), which moves a bf16 rounding of the activation, or, in w4a4, an NVFP4 rounding of
 // the re-quantized activation, on rare elements. So: no NaN where the reference has none, at least
-// 99.5% of output elements within one bf16 ulp of the reference, relative L2 error below 5e-3.
+// 99.5% of output elements within one bf16 ulp of the reference plus 1e-3 of their token row's RMS
+// (outputs that nearly cancel), relative L2 error below 5e-3.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -49,19 +50,28 @@ void expect_layer_matches(const io::MoeCase& c, const std::string& label) {
     ASSERT_NEAR(gpu.topk_weights[i], ref.topk_weights[i], 1e-6 * std::fabs(ref.topk_weights[i]) + 1e-30)
         << label << " weight " << i;
   ASSERT_EQ(gpu.output.size(), ref.output.size());
+  const int64_t H = c.problem.hidden;
   double num = 0, den = 0;
   int64_t off = 0;
-  for (size_t i = 0; i < ref.output.size(); ++i) {
-    const float r = format::bf16_to_float(ref.output[i]), g = format::bf16_to_float(gpu.output[i]);
-    ASSERT_FALSE(std::isnan(g) && !std::isnan(r)) << label << " NaN at " << i;
-    num += double(g - r) * (g - r);
-    den += double(r) * r;
-    if (std::fabs(g - r) > bf16_ulp(r) * 1.01f) ++off;
+  for (int64_t t = 0; t < c.num_tokens; ++t) {
+    double row_sq = 0;
+    for (int64_t h = 0; h < H; ++h) row_sq += std::pow(format::bf16_to_float(ref.output[t * H + h]), 2.0);
+    // Absolute floor: results that nearly cancel move by more than their own ulp when a rounding of
+    // the activation flips; 1e-3 of the row's RMS covers that (docs/numerics.md).
+    const float floor = 1e-3f * static_cast<float>(std::sqrt(row_sq / H));
+    for (int64_t h = 0; h < H; ++h) {
+      const size_t i = t * H + h;
+      const float r = format::bf16_to_float(ref.output[i]), g = format::bf16_to_float(gpu.output[i]);
+      ASSERT_FALSE(std::isnan(g) && !std::isnan(r)) << label << " NaN at " << i;
+      num += double(g - r) * (g - r);
+      den += double(r) * r;
+      if (std::fabs(g - r) > bf16_ulp(r) * 1.01f + floor) ++off;
+    }
   }
   const double rel = den > 0 ? std::sqrt(num / den) : std::sqrt(num);
   EXPECT_LT(rel, 5e-3) << label;
   EXPECT_LE(off, static_cast<int64_t>(0.005 * ref.output.size()) + 1) << label << ": " << off << " of "
-                                                                     << ref.output.size() << " beyond 1 ulp";
+                                                                     << ref.output.size() << " beyond 1 ulp + 1e-3 row RMS";
 }
 
 bool have_gpu() {
