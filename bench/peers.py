@@ -8,7 +8,7 @@ Runs on a machine with an sm_90 GPU, torch (CUDA build) and a built `fp4moe` CLI
      one checked forward per shape before timing;
   2. measures the two ceilings in torch (device-to-device copy of a 2 GiB tensor counting bytes read
      + written; bf16 matmul 8192^3) next to fp4moe's own;
-  3. times the eager torch MoE baselines the way ../shared/anchors/README.md describes: gather the
+  3. times the eager torch MoE baselines the way bench/h200-reference-numbers.md describes: gather the
      tokens by expert, GEMM1 and GEMM2 with `torch._grouped_mm` (bf16) or `torch._scaled_grouped_mm`
      (fp8 e4m3, rowwise scales, activations quantized per row on the fly) with int32 cumulative
      offsets, silu*mul between (the preset's activation), weighted index_add at the end; CUDA events
@@ -404,7 +404,7 @@ def check_rows(got, ref):
 
 
 # ----------------------------------------------------------------------------------------------------
-# anchors (optional): the reference table of ../shared/anchors/README.md
+# anchors (optional): the reference table of bench/h200-reference-numbers.md
 # ----------------------------------------------------------------------------------------------------
 
 def read_anchors(path):
