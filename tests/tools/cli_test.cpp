@@ -1,0 +1,112 @@
+// tests/tools/cli_test.cpp — the `fp4moe` command line: run against the reference, demo, and the
+// error path (message on stderr naming the problem, exit status 2).
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <string>
+
+#include "fp4moe/case_file.hpp"
+#include "fp4moe/presets.hpp"
+#include "fp4moe/reference.hpp"
+#include "fp4moe/safetensors.hpp"
+
+namespace fp4moe {
+namespace {
+
+using ::testing::AllOf;
+using ::testing::HasSubstr;
+
+struct CliRun {
+  int status;
+  std::string output;  // stdout and stderr
+};
+
+CliRun cli(const std::string& args) {
+  const std::string cmd = std::string(FP4MOE_CLI_PATH) + " " + args + " 2>&1";
+  FILE* pipe = popen(cmd.c_str(), "r");
+  EXPECT_NE(pipe, nullptr);
+  std::string out;
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof buf, pipe)) > 0) out.append(buf, n);
+  const int raw = pclose(pipe);
+  return {WIFEXITED(raw) ? WEXITSTATUS(raw) : -1, out};
+}
+
+std::string tmp_path(const std::string& name) {
+  std::filesystem::create_directories(FP4MOE_TEST_TMPDIR);
+  return std::string(FP4MOE_TEST_TMPDIR) + "/" + name;
+}
+
+TEST(Cli, HelpListsSubcommands) {
+  const CliRun r = cli("--help");
+  EXPECT_EQ(r.status, 0);
+  EXPECT_THAT(r.output, AllOf(HasSubstr("run"), HasSubstr("demo"), HasSubstr("bench")));
+}
+
+TEST(Cli, RunOnCpuMatchesTheReferenceBitForBit) {
+  for (ActQuant mode : {ActQuant::W4A16, ActQuant::W4A4Scalar}) {
+    const io::MoeCase c = io::make_random_case(preset("tiny", mode), 19);
+    const std::string in = tmp_path("cli_case.safetensors"), out = tmp_path("cli_out.safetensors");
+    io::save_case(in, c);
+    const CliRun r = cli("run --case " + in + " --out " + out + " --device cpu");
+    ASSERT_EQ(r.status, 0) << r.output;
+    const reference::MoeResult got = io::load_result(out);
+    const reference::MoeResult want =
+        reference::moe_forward(c.problem, c.num_tokens, c.hidden_states.data(), c.router(), c.weights());
+    EXPECT_EQ(got.output, want.output);
+    EXPECT_EQ(got.topk_ids, want.topk_ids);
+    EXPECT_EQ(got.topk_weights, want.topk_weights);
+  }
+}
+
+TEST(Cli, MissingCaseFileIsAnErrorNamingIt) {
+  const CliRun r = cli("run --case /nonexistent/case.safetensors --out " + tmp_path("x.safetensors") + " --device cpu");
+  EXPECT_EQ(r.status, 2);
+  EXPECT_THAT(r.output, AllOf(HasSubstr("error"), HasSubstr("/nonexistent/case.safetensors")));
+}
+
+TEST(Cli, BadMetadataIsAnErrorNamingTheKey) {
+  io::MoeCase c = io::make_random_case(preset("tiny"), 3);
+  c.problem.routing.top_k = 1;
+  const std::string path = tmp_path("cli_bad.safetensors");
+  io::save_case(path, c);
+  // Rewrite the file with top_k larger than E.
+  io::SafetensorsFile f = io::SafetensorsFile::open(path);
+  std::vector<io::TensorData> tensors;
+  for (const auto& [name, view] : f.tensors()) {
+    io::TensorData t{name, view.dtype, view.shape, {}};
+    t.bytes.assign(view.data.begin(), view.data.end());
+    tensors.push_back(std::move(t));
+  }
+  auto meta = f.metadata();
+  meta["top_k"] = "100";
+  const std::string bad = tmp_path("cli_bad_k.safetensors");
+  io::write_safetensors(bad, tensors, meta);
+  const CliRun r = cli("run --case " + bad + " --out " + tmp_path("y.safetensors") + " --device cpu");
+  EXPECT_EQ(r.status, 2);
+  EXPECT_THAT(r.output, AllOf(HasSubstr("top_k"), HasSubstr("100")));
+}
+
+TEST(Cli, UnknownDeviceIsRejected) {
+  const CliRun r = cli("run --case a --out b --device tpu");
+  EXPECT_NE(r.status, 0);
+  EXPECT_THAT(r.output, HasSubstr("--device"));
+}
+
+TEST(Cli, DemoPrintsErrorsOfBothModes) {
+  const CliRun r = cli("demo --device cpu");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_THAT(r.output, AllOf(HasSubstr("tiny"), HasSubstr("w4a16"), HasSubstr("w4a4_scalar"), HasSubstr("rel L2")));
+}
+
+TEST(Cli, BenchWithAnUnknownPresetFailsBeforeAnyGpuWork) {
+  const CliRun r = cli("bench --model no-such-model --tokens 1");
+  EXPECT_EQ(r.status, 2);
+  EXPECT_THAT(r.output, HasSubstr("no-such-model"));
+}
+
+}  // namespace
+}  // namespace fp4moe
