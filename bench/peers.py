@@ -14,14 +14,25 @@ Runs on a machine with an sm_90 GPU, torch (CUDA build) and a built `fp4moe` CLI
      offsets, silu*mul between (the preset's activation), weighted index_add at the end; CUDA events
      around each eager forward, median of --reps after warm-up. Routing (the preset's method,
      implemented in torch) runs once per shape outside the timed region; its time is reported
-     separately (torch_route_us).
+     separately (torch_route_us). These are the table's torch columns: the same routing as fp4moe.
+  3b. with --reference-protocol (default on when --anchors is given), also times the baselines the way
+     the reference file words it, literally, for every model: softmax over E of random normal logits,
+     top-k of the probabilities WITHOUT renormalization ("softmax top-k"; for top-1 Llama-4 the weight
+     is the softmax probability, not 1.0), weight applied after GEMM2 (weighted index_add), silu*mul.
+     The routing is INSIDE the timed region with the whole eager layer: the timed call takes (hidden
+     states, logits) -- the expert weights are bound -- and returns the output (softmax, top-k, sort,
+     offsets, gather, [fp8 row quantization,] GEMM1, silu*mul, GEMM2, weighted index_add). Events,
+     median of --reps after warm-up, only at the (model, T) of the anchors file (all T without one),
+     with the model's weights already allocated for 3. These timings (torch_*_refproto_us) are what
+     the anchors section compares with the reference numbers.
   4. with --refcheck (default), before timing a shape, checks the torch bf16 baseline (tolerance
      2e-2) and the fp8 baseline (tolerance 0.2: fp8 quantization error) against a plain fp32
      per-token loop over a few tokens; a baseline that fails is reported and never counted as the
      best peer.
 
 Writes one JSON (--json) and prints one table: per (model, T) experts hit, floor, fp4moe median/min,
-the torch baselines, the best peer and the ratio fp4moe / best peer (< 1: fp4moe is faster).
+the torch baselines, the best peer and the ratio fp4moe / best peer (< 1: fp4moe is faster); with
+--anchors, then the torch baselines against the reference numbers (deviation per row, rows within 20%).
 A baseline that raises for a shape is recorded in the row (its error string) and the run goes on.
 Exit status 1 when anything failed (fp4moe, a baseline, a refcheck); all outputs are written anyway.
 """
@@ -382,6 +393,40 @@ def make_layer(p, W, kind, mm, smm):
     raise ValueError(kind)
 
 
+# The reference protocol (step 3b): how bench/h200-reference-numbers.md describes its torch rows.
+REFPROTO_ROUTING = ("softmax over E of random normal logits (fp32), top-k of the probabilities, no renormalization; "
+                    "weight applied after GEMM2; silu*mul; for every model")
+REFPROTO_TIMING = ("eager forward from (hidden states, logits): softmax top-k routing, sort by expert, offsets, gather, "
+                   "[fp8: rowwise activation quantization,] grouped GEMM1, silu*mul, grouped GEMM2, weighted index_add; "
+                   "routing inside the timed region; CUDA events per call, median after warm-up")
+ANCHOR_TOL = 0.20  # issue 4: the torch-baseline rows within 20% of the reference numbers
+
+
+def refproto_preset(p):
+    """The preset as the reference protocol sees it: same shapes, softmax top-k, weights on the output, silu*mul."""
+    return dict(p, routing="softmax_topk", weight_on_input=False, act="swiglu", scale=1.0, n_group=1, topk_group=1)
+
+
+def route_softmax_topk(logits, k):
+    """Plain softmax top-k: -> ids int64 [T,k] (descending probability), w fp32 [T,k] = the softmax
+    probabilities themselves (no renormalization over the k)."""
+    w, ids = torch.softmax(logits.float(), dim=-1).topk(k, dim=-1)
+    return ids, w
+
+
+def make_refproto_layer(p, W, kind, mm, smm):
+    """The reference protocol's timed call: (x bf16 [T,H], logits fp32 [T,E]) -> bf16 [T,H], routing included.
+    Reuses the model's bf16 / e4m3 weights W."""
+    pr = refproto_preset(p)
+    inner = make_layer(pr, W, kind, mm, smm)
+    k = pr["k"]
+
+    def forward(x, logits):
+        ids, w = route_softmax_topk(logits, k)
+        return inner(x, ids, w)
+    return forward
+
+
 def reference_rows(p, W, x, ids, w, rows):
     """Plain fp32 per-token loop over the k slots with the bf16 weights -> fp32 [len(rows), H]."""
     out = torch.zeros(len(rows), p["H"], device="cuda", dtype=torch.float32)
@@ -485,10 +530,16 @@ def parse_args(argv):
                     help="use_fast_accum=True for torch._scaled_grouped_mm (default: torch's default, False)")
     ap.add_argument("--anchors", help="a markdown table of reference numbers (bench/h200-reference-numbers.md) to compare "
                     "the torch rows and ceilings with")
+    ap.add_argument("--reference-protocol", action=argparse.BooleanOptionalAction, default=None,
+                    help="also time the torch baselines the way the anchors file describes them (softmax top-k of "
+                    "random logits for every model, routing inside the timed call; step 3b) at the anchors' T, "
+                    "and compare those with the anchors (default: on when --anchors is given)")
     ap.add_argument("--seed", type=int, default=1)
     a = ap.parse_args(argv)
     if a.reps < 20:
         ap.error(f"--reps must be >= 20, got {a.reps}")
+    if a.reference_protocol is None:
+        a.reference_protocol = bool(a.anchors)
     a.model_list = [m for m in a.models.split(",") if m]
     for m in a.model_list:
         if m not in PRESETS:
@@ -514,7 +565,49 @@ def git_commit():
         return None
 
 
-def bench_torch_model(args, model, rows_out, failures):
+def measure(args, r, key, tol, fwd, get_ref, check_tok, what, failures):
+    """Optionally refchecks fwd() on the rows check_tok against get_ref() (fp32 [len(check_tok), H]), then
+    times it; fills r[key + '_us' | '_min_us' | '_refcheck' | '_error']. Errors are recorded, never raised."""
+    try:
+        if args.refcheck:
+            ref = get_ref()
+            out = fwd()  # also the first warm-up call
+            torch.cuda.synchronize()
+            rel = check_rows(out[check_tok], ref)
+            ok = math.isfinite(rel) and rel < tol
+            r[f"{key}_refcheck"] = {"rel_err": rel, "tol": tol, "tokens": check_tok, "ok": ok}
+            del out
+            if not ok:
+                failures.append(f"{what}: refcheck rel_err {rel:.3g} >= {tol}")
+                log(f"torch {what}: REFCHECK FAILED, rel_err {rel:.3g}")
+        # With --refcheck the checked call above was the first warm-up: one more, then the timed calls.
+        med, mn, _ = time_cuda(fwd, args.reps, warmup_max=1 if args.refcheck else 3)
+        r[f"{key}_us"] = med
+        r[f"{key}_min_us"] = mn
+        log(f"torch {what}: {med:.1f} us (min {mn:.1f})"
+            + (f", refcheck rel_err {r[f'{key}_refcheck']['rel_err']:.2e}" if args.refcheck else ""))
+    except Exception as e:  # noqa: BLE001
+        text = str(e).strip()
+        msg = f"{type(e).__name__}: {text[:1500]}"  # the whole message (torch's first line is the gist)
+        first = f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
+        r[f"{key}_error"] = msg
+        failures.append(f"{what}: {first}")
+        log(f"torch {what}: ERROR {msg}")
+        if os.environ.get("FP4MOE_PEERS_TRACEBACK"):
+            traceback.print_exc()
+        try:  # leave the stream idle before the next baseline; a broken context shows up there
+            torch.cuda.synchronize()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def check_tokens(T):
+    return sorted({0, T // 3, (2 * T) // 3, T - 1})
+
+
+def bench_torch_model(args, model, rows_out, failures, refproto_tokens=()):
+    """Times the baselines of one model with the preset's routing (step 3) at every T, then with the reference
+    protocol (step 3b) at the T in refproto_tokens, all on one set of weights."""
     p = PRESETS[model]
     E, H = p["E"], p["H"]
     seed = args.seed * 1000003 + sum(map(ord, model))
@@ -530,6 +623,8 @@ def bench_torch_model(args, model, rows_out, failures):
             for peer in args.peer_list:
                 r[f"{peer}_error"] = err
                 failures.append(f"{model} T={T} {peer}: {err}")
+                if T in refproto_tokens:
+                    r[f"{peer}_refproto_error"] = err
         torch.cuda.empty_cache()
         return
     log(f"torch {model}: weights ready ({W.nbytes() / 1e9:.1f} GB, {time.time() - t0:.1f} s)")
@@ -544,6 +639,12 @@ def bench_torch_model(args, model, rows_out, failures):
     except Exception as e:  # noqa: BLE001
         fn_errors["torch_fp8"] = str(e)
 
+    def checked(peer, build):
+        if peer in fn_errors:
+            raise RuntimeError(fn_errors[peer])
+        return build()
+
+    # 3. the preset's routing, outside the timed region.
     g = torch.Generator(device="cuda").manual_seed(seed + 1)
     bias = (0.1 * torch.randn(E, device="cuda", generator=g)) if p["routing"] == "deepseek_v3" else None
     for T in args.token_list:
@@ -562,48 +663,114 @@ def bench_torch_model(args, model, rows_out, failures):
                 failures.append(f"{model} T={T} {peer}: {err}")
             log(f"torch {model} T={T}: {err}")
             continue
-        check_tok = sorted({0, T // 3, (2 * T) // 3, T - 1})
-        ref = None
+        check_tok = check_tokens(T)
+        cache = {}
+
+        def get_ref():
+            if "ref" not in cache:
+                cache["ref"] = reference_rows(p, W, x, ids, w, check_tok)
+            return cache["ref"]
         for peer in args.peer_list:
+            layer = None
             try:
-                if peer in fn_errors:
-                    raise RuntimeError(fn_errors[peer])
-                layer = make_layer(p, W, peer, mm, smm)
-                fwd = lambda: layer(x, ids, w)  # noqa: E731
-                if args.refcheck:
-                    if ref is None:
-                        ref = reference_rows(p, W, x, ids, w, check_tok)
-                    out = fwd()  # also the first warm-up call
-                    torch.cuda.synchronize()
-                    rel = check_rows(out[check_tok], ref)
-                    ok = math.isfinite(rel) and rel < REFCHECK_TOL[peer]
-                    r[f"{peer}_refcheck"] = {"rel_err": rel, "tol": REFCHECK_TOL[peer], "tokens": check_tok, "ok": ok}
-                    del out
-                    if not ok:
-                        failures.append(f"{model} T={T} {peer}: refcheck rel_err {rel:.3g} >= {REFCHECK_TOL[peer]}")
-                        log(f"torch {model} T={T} {peer}: REFCHECK FAILED, rel_err {rel:.3g}")
-                # With --refcheck the checked call above was the first warm-up: one more, then the timed calls.
-                med, mn, _ = time_cuda(fwd, args.reps, warmup_max=1 if args.refcheck else 3)
-                r[f"{peer}_us"] = med
-                r[f"{peer}_min_us"] = mn
-                log(f"torch {model} T={T} {peer}: {med:.1f} us (min {mn:.1f})"
-                    + (f", refcheck rel_err {r[f'{peer}_refcheck']['rel_err']:.2e}" if args.refcheck else ""))
+                layer = checked(peer, lambda: make_layer(p, W, peer, mm, smm))
             except Exception as e:  # noqa: BLE001
-                text = str(e).strip()
-                msg = f"{type(e).__name__}: {text[:1500]}"  # the whole message (torch's first line is the gist)
-                first = f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
-                r[f"{peer}_error"] = msg
-                failures.append(f"{model} T={T} {peer}: {first}")
-                log(f"torch {model} T={T} {peer}: ERROR {msg}")
-                if os.environ.get("FP4MOE_PEERS_TRACEBACK"):
-                    traceback.print_exc()
-                try:  # leave the stream idle before the next baseline; a broken context shows up there
-                    torch.cuda.synchronize()
-                except Exception:  # noqa: BLE001
-                    pass
-        layer = fwd = ref = x = logits = ids = w = None  # noqa: F841 - drop references before the next T
+                r[f"{peer}_error"] = f"{type(e).__name__}: {e}"
+                failures.append(f"{model} T={T} {peer}: {type(e).__name__}: {e}")
+                log(f"torch {model} T={T} {peer}: ERROR {e}")
+                continue
+            measure(args, r, peer, REFCHECK_TOL[peer], lambda: layer(x, ids, w), get_ref, check_tok,
+                    f"{model} T={T} {peer}", failures)
+        layer = cache = x = logits = ids = w = None  # noqa: F841 - drop references before the next T
+
+    # 3b. the reference protocol: softmax top-k of random logits, routing inside the timed call.
+    pr = refproto_preset(p)
+    gr = torch.Generator(device="cuda").manual_seed(seed + 2)  # own stream: step 3's inputs stay as they were
+    for T in args.token_list:
+        if T not in refproto_tokens:
+            continue
+        r = rows_out[(model, T)]
+        try:
+            x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, generator=gr)
+            logits = torch.randn(T, E, device="cuda", dtype=torch.float32, generator=gr)
+            ids, w = route_softmax_topk(logits, pr["k"])  # the same routing the timed call does, for hit/refcheck
+            r["refproto_experts_hit"] = int(torch.unique(ids).numel())
+        except Exception as e:  # noqa: BLE001
+            err = f"reference protocol inputs/routing: {type(e).__name__}: {e}"
+            for peer in args.peer_list:
+                r[f"{peer}_refproto_error"] = err
+                failures.append(f"{model} T={T} {peer} (reference protocol): {err}")
+            log(f"torch {model} T={T}: {err}")
+            continue
+        check_tok = check_tokens(T)
+        cache = {}
+
+        def get_ref():
+            if "ref" not in cache:
+                cache["ref"] = reference_rows(pr, W, x, ids, w, check_tok)
+            return cache["ref"]
+        for peer in args.peer_list:
+            layer = None
+            key = f"{peer}_refproto"
+            try:
+                layer = checked(peer, lambda: make_refproto_layer(p, W, peer, mm, smm))
+            except Exception as e:  # noqa: BLE001
+                r[f"{key}_error"] = f"{type(e).__name__}: {e}"
+                failures.append(f"{model} T={T} {key}: {type(e).__name__}: {e}")
+                log(f"torch {model} T={T} {key}: ERROR {e}")
+                continue
+            measure(args, r, key, REFCHECK_TOL[peer], lambda: layer(x, logits), get_ref, check_tok,
+                    f"{model} T={T} {key}", failures)
+        layer = cache = x = logits = ids = w = None  # noqa: F841
     del W
     log(f"torch {model}: done in {time.time() - t0:.1f} s")
+
+
+ANCHOR_COLUMNS = {"torch_bf16": "torch bf16", "torch_fp8": "torch fp8"}
+
+
+def compare_with_anchors(rows, peers, reference_protocol):
+    """Adds r["anchor_deviation"] (measured / anchor - 1 for the preset-routing and reference-protocol timings;
+    experts hit minus the anchor's) to each row with an anchor; returns the summary: how many rows of the compared
+    protocol (the reference protocol when it ran, else the preset routing) are within ANCHOR_TOL."""
+    suffix = "_refproto" if reference_protocol else ""
+    summary = {"protocol": "reference" if reference_protocol else "preset routing", "tolerance": ANCHOR_TOL,
+               "compared_fields": [f"{peer}{suffix}_us" for peer in peers], "per_peer": {}}
+    counts = {peer: {"within": 0, "compared": 0, "missing": 0, "max_abs_dev": None, "outside": []} for peer in peers}
+    for r in rows:
+        a = r.get("anchor")
+        if not a:
+            continue
+        dev = {}
+        for peer in peers:
+            ref = a.get(ANCHOR_COLUMNS.get(peer, ""))
+            for suf in ("", "_refproto"):
+                m = r.get(f"{peer}{suf}_us")
+                if m and ref:
+                    dev[f"{peer}{suf}"] = m / ref - 1.0
+        ahit = a.get("experts hit")
+        for hk in ("torch_experts_hit", "refproto_experts_hit"):
+            if r.get(hk) is not None and ahit is not None:
+                dev[f"{hk}_diff"] = int(r[hk] - ahit)
+        r["anchor_deviation"] = dev
+        for peer in peers:
+            if not a.get(ANCHOR_COLUMNS.get(peer, "")):
+                continue
+            c = counts[peer]
+            d = dev.get(f"{peer}{suffix}")
+            if d is None:
+                c["missing"] += 1
+                continue
+            c["compared"] += 1
+            bad = r.get(f"{peer}{suffix}_refcheck", {}).get("ok") is False
+            if abs(d) <= ANCHOR_TOL and not bad:  # a baseline that failed its refcheck is never counted within
+                c["within"] += 1
+            else:
+                c["outside"].append(f"{r['model']} T={r['tokens']} {100 * d:+.1f}%" + (" (refcheck failed)" if bad else ""))
+            c["max_abs_dev"] = abs(d) if c["max_abs_dev"] is None else max(c["max_abs_dev"], abs(d))
+    summary["per_peer"] = counts
+    summary["all"] = {k: sum(c[k] for c in counts.values()) for k in ("within", "compared", "missing")}
+    return summary
 
 
 def fmt(v, spec="8.1f", width=8):
@@ -656,16 +823,39 @@ def build_table(doc):
                  "median; fp4/peer < 1: fp4moe faster; '!': refcheck failed (never the best peer)")
     anchor_rows = [r for r in doc["rows"] if r.get("anchor")]
     if anchor_rows:
-        lines += ["", "torch baselines against the anchors (measured / anchor - 1):",
-                  f"{'model':<16} {'T':>6} {'bf16':>9} {'anchor':>9} {'dev':>7} {'fp8':>9} {'anchor':>9} {'dev':>7}"]
+        comp = doc.get("anchor_comparison") or {}
+        refp = comp.get("protocol") == "reference"
+        suf, hitkey = ("_refproto", "refproto_experts_hit") if refp else ("", "torch_experts_hit")
+        if refp:
+            lines += ["", "torch baselines against the anchors, measured with the reference protocol (measured / anchor - 1):",
+                      "  " + (doc.get("reference_protocol") or {}).get("routing", REFPROTO_ROUTING) + ";",
+                      "  routing inside the timed call (the table above: the preset's routing, excluded from the time)"]
+        else:
+            lines += ["", "torch baselines against the anchors, preset routing (measured / anchor - 1):"]
+        lines.append(f"{'model':<16} {'T':>6} {'hit':>4} {'a.hit':>5} {'bf16':>9} {'anchor':>9} {'dev':>7} "
+                     f"{'fp8':>9} {'anchor':>9} {'dev':>7}")
         for r in anchor_rows:
             a = r["anchor"]
-            cells = []
-            for peer, col in (("torch_bf16", "torch bf16"), ("torch_fp8", "torch fp8")):
-                m, ref = r.get(f"{peer}_us"), a.get(col)
-                dev = f"{100 * (m / ref - 1):+.0f}%" if m and ref else "-"
+            ahit = a.get("experts hit")
+            cells = [fmt(r.get(hitkey), "d", 4), fmt(int(ahit) if ahit is not None else None, "d", 5)]
+            for peer, col in ANCHOR_COLUMNS.items():
+                key = f"{peer}{suf}"
+                m, ref = r.get(f"{key}_us"), a.get(col)
+                if r.get(f"{key}_error"):
+                    m = "error"
+                elif m is not None and r.get(f"{key}_refcheck", {}).get("ok") is False:
+                    m = f"{m:.0f}!"
+                dev = f"{100 * (r[f'{key}_us'] / ref - 1):+.0f}%" if r.get(f"{key}_us") and ref else "-"
                 cells += [fmt(m, ".0f", 9), fmt(ref, ".0f", 9), dev.rjust(7)]
             lines.append(f"{r['model']:<16} {r['tokens']:>6} " + " ".join(cells))
+        if comp.get("per_peer"):
+            tol = 100 * comp.get("tolerance", ANCHOR_TOL)
+            parts = [f"{peer.replace('torch_', '')} {c['within']}/{c['compared']}"
+                     + (f" ({c['missing']} not measured)" if c["missing"] else "")
+                     for peer, c in comp["per_peer"].items()]
+            al = comp["all"]
+            lines.append(f"within {tol:.0f}% of the anchors ({comp['protocol']}): " + ", ".join(parts)
+                         + f"; all {al['within']}/{al['compared']}")
     return "\n".join(lines)
 
 
@@ -680,7 +870,24 @@ def main(argv=None):
            "torch_timing": "eager forward from (x, topk ids, topk weights): sort by expert, gather, grouped GEMM1, "
                            "activation, grouped GEMM2, weighted index_add; routing excluded (torch_route_us); "
                            "CUDA events per call, median",
+           "reference_protocol": {"enabled": args.reference_protocol, "routing": REFPROTO_ROUTING,
+                                  "timing": REFPROTO_TIMING} if args.reference_protocol else {"enabled": False},
            "ceilings": {}, "rows": []}
+
+    # The anchors first: the reference protocol is timed only at their (model, T).
+    anchors_rows = {}
+    if args.anchors:
+        try:
+            aceil, anchors_rows = read_anchors(args.anchors)
+            doc["anchors"] = {"file": args.anchors, "ceilings": aceil}
+        except Exception as e:  # noqa: BLE001
+            log(f"anchors: cannot read {args.anchors}: {e}")
+    refproto_tokens = {}
+    if args.reference_protocol:
+        for m in args.model_list:
+            refproto_tokens[m] = ({T for T in args.token_list if (m, T) in anchors_rows} if args.anchors
+                                  else set(args.token_list))
+        doc["reference_protocol"]["shapes"] = {m: sorted(v) for m, v in refproto_tokens.items()}
 
     # 1. fp4moe first, before this process holds any GPU memory.
     fp = None
@@ -720,27 +927,22 @@ def main(argv=None):
         log(f"torch: copy {tc['copy_tbps']:.2f} TB/s, bf16 GEMM {tc['bf16_tflops']:.0f} TFLOP/s"
             + (f", fp8 GEMM {tc['fp8_tflops']:.0f} TFLOP/s" if tc.get("fp8_tflops") else ""))
         for m in args.model_list:
-            bench_torch_model(args, m, rows, failures)
+            bench_torch_model(args, m, rows, failures, refproto_tokens.get(m, set()))
             torch.cuda.empty_cache()  # the model's weights are gone: hand their memory back
     except Exception as e:  # noqa: BLE001 - no torch / no GPU: fp4moe rows still get written
         msg = f"torch: {type(e).__name__}: {e}"
         log(msg)
         failures.append(msg)
         doc["torch_error"] = msg
-        for r in rows.values():
+        for (m, T), r in rows.items():
             for peer in args.peer_list:
                 r.setdefault(f"{peer}_error", msg)
+                if T in refproto_tokens.get(m, ()):
+                    r.setdefault(f"{peer}_refproto_error", msg)
     doc.setdefault("gpu", None)
     doc.setdefault("sm_count", None)
 
     # 4. merge.
-    anchors_rows = {}
-    if args.anchors:
-        try:
-            aceil, anchors_rows = read_anchors(args.anchors)
-            doc["anchors"] = {"file": args.anchors, "ceilings": aceil}
-        except Exception as e:  # noqa: BLE001
-            log(f"anchors: cannot read {args.anchors}: {e}")
     tc = doc["ceilings"].get("torch")
     for key, r in rows.items():
         m, T = key
@@ -782,6 +984,8 @@ def main(argv=None):
         if key in anchors_rows:
             r["anchor"] = anchors_rows[key]
         doc["rows"].append(r)
+    if anchors_rows:
+        doc["anchor_comparison"] = compare_with_anchors(doc["rows"], args.peer_list, args.reference_protocol)
     doc["failures"] = failures
     doc["elapsed_s"] = round((datetime.datetime.now(datetime.timezone.utc) - started).total_seconds(), 1)
 
