@@ -3,6 +3,8 @@
 //   fp4moe run --case CASE.safetensors --out OUT.safetensors [--device cpu|cuda]
 //   fp4moe demo [--model tiny] [--tokens 64] [--device auto|cpu|cuda] [--seed 1]
 //   fp4moe bench --model PRESET[,PRESET] --tokens LIST [--mode M] [--json F] [--csv F]
+//   fp4moe run --checkpoint DIR --layer L --tokens T [--device cpu|cuda] [--out OUT] [--seed S]
+//   fp4moe inspect DIR
 #include <CLI/CLI.hpp>
 
 #include <chrono>
@@ -18,6 +20,7 @@
 #include "fp4moe/reference.hpp"
 #include "fp4moe/runner.hpp"
 #include "tools/bench_command.hpp"
+#include "tools/checkpoint_commands.hpp"
 
 namespace fp4moe::tools {
 namespace {
@@ -117,10 +120,19 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
 
   std::string case_path, out_path, device = "cpu";
-  CLI::App* run = app.add_subcommand("run", "Run one MoE layer from a case file and write the result file");
-  run->add_option("--case", case_path, "Case file (.safetensors, DESIGN.md §3)")->required();
-  run->add_option("--out", out_path, "Output file (.safetensors: output, topk_ids, topk_weights)")->required();
+  CheckpointRunOptions ckrun;
+  CLI::App* run = app.add_subcommand("run", "Run one MoE layer from a case file (or a checkpoint layer) and write the result file");
+  CLI::Option* case_opt = run->add_option("--case", case_path, "Case file (.safetensors, DESIGN.md §3)");
+  run->add_option("--out", out_path, "Output file (.safetensors: output, topk_ids, topk_weights)");
   run->add_option("--device", device, "cpu (the reference) or cuda")->check(CLI::IsMember({"cpu", "cuda"}));
+  CLI::Option* ck_opt = run->add_option("--checkpoint", ckrun.dir, "Checkpoint directory (instead of --case)");
+  ck_opt->excludes(case_opt);
+  run->add_option("--layer", ckrun.layer, "With --checkpoint: the MoE layer index")->needs(ck_opt);
+  run->add_option("--tokens", ckrun.tokens, "With --checkpoint: number of random tokens T")->needs(ck_opt)->capture_default_str();
+  run->add_option("--seed", ckrun.seed, "With --checkpoint: seed of the hidden states")->needs(ck_opt)->capture_default_str();
+  run->add_option("--fusion", ckrun.fusion, "With --checkpoint: w1/w3 scale fusion policy: rescale_to_max or error")
+      ->needs(ck_opt)->capture_default_str();
+  run->add_option("--act-quant", ckrun.act_quant, "With --checkpoint: override the act_quant of the checkpoint")->needs(ck_opt);
 
   std::string model = "tiny", demo_device = "auto";
   int64_t tokens = 64;
@@ -133,10 +145,39 @@ int main(int argc, char** argv) {
 
   BenchCommandOptions bench;
   add_bench_command(app, bench);
+  // `bench --checkpoint` is recognised so that it can say it is not supported yet.
+  std::string bench_checkpoint;
+  int64_t bench_layer = -1;
+  bench.command->get_option("--model")->required(false);
+  bench.command->add_option("--checkpoint", bench_checkpoint, "Checkpoint directory (not supported yet)");
+  bench.command->add_option("--layer", bench_layer, "With --checkpoint: the MoE layer index");
+
+  InspectCommandOptions inspect;
+  add_inspect_command(app, inspect);
+  MakeFixtureOptions fixture;
+  add_make_fixture_command(app, fixture);
 
   CLI11_PARSE(app, argc, argv);
   try {
-    if (run->parsed()) return cmd_run(case_path, out_path, device);
+    if (run->parsed() && !ckrun.dir.empty()) {
+      ckrun.out = out_path;
+      ckrun.device = device;
+      return run_checkpoint_layer(ckrun);
+    }
+    if (run->parsed()) {
+      fp4moe::check(!case_path.empty(), "run: --case CASE (or --checkpoint DIR) is required");
+      fp4moe::check(!out_path.empty(), "run --case: --out OUT is required");
+      return cmd_run(case_path, out_path, device);
+    }
+    if (inspect.command->parsed()) return run_inspect_command(inspect);
+    if (fixture.command->parsed()) return run_make_fixture_command(fixture);
+    if (bench.command->parsed() && !bench_checkpoint.empty())
+      throw fp4moe::Error("bench --checkpoint is not supported yet: the benchmark runs random weights of a preset "
+                          "(use --model); time a checkpoint's layer with `run --checkpoint DIR --layer L --device cuda`");
+    if (bench.command->parsed()) {
+      fp4moe::check(!bench.models.empty(), "bench: --model is required");
+      return run_bench_command(bench);
+    }
     if (demo->parsed()) return cmd_demo(model, tokens, demo_device, seed);
     if (bench.command->parsed()) return run_bench_command(bench);
   } catch (const fp4moe::Error& e) {
