@@ -1,0 +1,79 @@
+// tests/runner/prepare_weights_test.cpp — prepare_weights accepts the layouts checkpoints come in:
+// 128x4-swizzled scales and [up; gate] w13 rows give the same layer as the canonical layout.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "fp4moe/case_file.hpp"
+#include "fp4moe/format.hpp"
+#include "fp4moe/presets.hpp"
+#include "fp4moe/runner.hpp"
+
+namespace fp4moe {
+namespace {
+
+// Runs `c` through a runner prepared from `w` with `options`; returns the bf16 output bits.
+std::vector<uint16_t> run_prepared(const io::MoeCase& c, const reference::MoeWeights& w, const WeightPrepOptions& options) {
+  const MoeProblem& p = c.problem;
+  const int64_t T = c.num_tokens, H = p.hidden, E = p.num_experts, k = p.top_k();
+  auto runner = MoeRunner::create(p, T);
+  const Status s = runner->prepare_weights(w, options);
+  EXPECT_TRUE(s.ok()) << s.message;
+  void *hidden, *logits, *ids, *wts, *out, *ws;
+  const size_t ws_bytes = runner->workspace_size(T);
+  for (auto [ptr, bytes] : {std::pair<void**, size_t>{&hidden, T * H * 2}, {&logits, T * E * 4}, {&ids, T * k * 4},
+                            {&wts, T * k * 4}, {&out, T * H * 2}, {&ws, ws_bytes}})
+    EXPECT_EQ(cudaMalloc(ptr, bytes), cudaSuccess);
+  EXPECT_EQ(cudaMemcpy(hidden, c.hidden_states.data(), T * H * 2, cudaMemcpyHostToDevice), cudaSuccess);
+  EXPECT_EQ(cudaMemcpy(logits, c.router_logits.data(), T * E * 4, cudaMemcpyHostToDevice), cudaSuccess);
+  EXPECT_EQ(cudaMemset(out, 0xFF, T * H * 2), cudaSuccess);
+  ForwardArgs a;
+  a.num_tokens = T;
+  a.hidden = hidden;
+  a.router_logits = logits;
+  a.topk_ids = static_cast<int32_t*>(ids);
+  a.topk_weights = static_cast<float*>(wts);
+  a.output = out;
+  a.workspace = ws;
+  a.workspace_bytes = ws_bytes;
+  const Status f = runner->forward(nullptr, a);
+  EXPECT_TRUE(f.ok()) << f.message;
+  std::vector<uint16_t> result(T * H);
+  EXPECT_EQ(cudaMemcpy(result.data(), out, T * H * 2, cudaMemcpyDeviceToHost), cudaSuccess);
+  for (void* ptr : {hidden, logits, ids, wts, out, ws}) cudaFree(ptr);
+  return result;
+}
+
+TEST(LayerPrepare, SwizzledScalesAndUpGateRowsGiveTheSameLayer) {
+  std::string why;
+  if (!cuda_device_available(&why)) GTEST_SKIP() << why;
+  const MoeProblem p = preset("tiny", ActQuant::W4A4Scalar);
+  const io::MoeCase c = io::make_random_packed_case(p, 50, 31);
+  const std::vector<uint16_t> canonical = run_prepared(c, c.weights(), {});
+  const int64_t E = p.num_experts, H = p.hidden, I = p.inter, N13 = p.w13_rows();
+  // The same weights with 128x4-swizzled scales and [up; gate] rows.
+  std::vector<uint8_t> w13 = c.w13, w13_scale = c.w13_scale;
+  for (int64_t e = 0; e < E; ++e) {
+    std::swap_ranges(w13.begin() + e * N13 * H / 2, w13.begin() + e * N13 * H / 2 + I * H / 2,
+                     w13.begin() + e * N13 * H / 2 + I * H / 2);
+    std::swap_ranges(w13_scale.begin() + e * N13 * H / 16, w13_scale.begin() + e * N13 * H / 16 + I * H / 16,
+                     w13_scale.begin() + e * N13 * H / 16 + I * H / 16);
+  }
+  std::vector<uint8_t> w13_swz(format::swizzled_scales_size(E, N13, H / 16));
+  std::vector<uint8_t> w2_swz(format::swizzled_scales_size(E, H, I / 16));
+  format::scales_linear_to_swizzled(w13_scale.data(), E, N13, H / 16, w13_swz.data());
+  format::scales_linear_to_swizzled(c.w2_scale.data(), E, H, I / 16, w2_swz.data());
+  reference::MoeWeights w = c.weights();
+  w.w13 = w13.data();
+  w.w13_scale = w13_swz.data();
+  w.w2_scale = w2_swz.data();
+  WeightPrepOptions options;
+  options.scales_swizzled = true;
+  options.w13_up_gate = true;
+  EXPECT_EQ(run_prepared(c, w, options), canonical);
+}
+
+}  // namespace
+}  // namespace fp4moe
