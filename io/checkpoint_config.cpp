@@ -284,7 +284,11 @@ CheckpointConfig parse_checkpoint_config(std::string_view config_json, std::stri
 
   // (3) family
   cfg.model_type = top.string("model_type");
-  cfg.family = parse_model_family(cfg.model_type == "llama4_text" ? "llama4" : cfg.model_type);
+  try {
+    cfg.family = parse_model_family(cfg.model_type == "llama4_text" ? "llama4" : cfg.model_type);
+  } catch (const Error& e) {
+    throw Error(detail::concat(config_file, ": 'model_type': ", e.what()));
+  }
   const json* text = &root;
   std::string text_path;
   if (cfg.model_type == "llama4" && top.has("text_config")) {
