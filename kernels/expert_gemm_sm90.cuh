@@ -6,18 +6,23 @@
 //   warpgroup 2     producer (setmaxnreg 56): cp.async of each 128-wide K chunk into a 4-stage ring
 //                     weights [32 row groups][512 B] + scales [32][64 B] (prepacked, 16-byte chunks)
 //                     activations [2 slabs of 64 K][128 tokens][128 B], 128-byte swizzled
-//                   and a cp.async-completion arrive on the stage's `full` mbarrier.
+//                   one cp.async group per stage; once stage kt-1's group has landed (stage kt's
+//                   still in flight), fence.proxy.async and an arrive on stage kt-1's `full` mbarrier.
 //   warpgroups 0-1  consumers (setmaxnreg 224); warpgroup c, block b (0..1), warp w own the m16 tile
 //                   mt = 8c + 4b + w (rows 16mt.. of the CTA's 256, or gate/up rows 8mt.. of its 128).
 //                   Per stage: wait `full`, load 4 x 16 B of weights + 4 x 8 B of scales, then per
 //                   word q (two k16 steps): decode_word + bf16x2 scale multiply -> A fragments,
-//                   wgmma m64nNk16 for both blocks; wait for the stage's wgmmas, arrive on `empty`.
+//                   one wgmma group (m64nNk16, both blocks). The next stage's loads and word-0
+//                   decode overlap the stage's last groups; stages go in pairs, the wgmma stream
+//                   drains once per pair; a stage is released (`empty`) once its last group is done.
 //                   N (8..128) is the smallest wgmma width that covers the tile's valid token rows.
 //   epilogue        h = alpha[e] * (2^8 * acc) (fp32, see expert_gemm_layout.cuh for the 2^8), then
-//                     GEMM1: activation, staged through shared memory as [i][token] fp32, then per
-//                            (token, 16 columns): bf16 (w4a16) or NVFP4 fake-quantization with
-//                            act_scale[e] (w4a4), written as 2 x 16 B.
-//                     GEMM2: fp32 y[row_to_entry[row] * N + n], straight from the registers.
+//                     GEMM1: staged through shared memory as [row][token] fp32, then per (token, 16
+//                            columns; the activation kind a template parameter): activation, bf16
+//                            (w4a16) or NVFP4 fake-quantization with act_scale[e] (w4a4, branch-free
+//                            per element), written as 2 x 16 B.
+//                     GEMM2: fp32 y[row_to_entry[row] * N + n], straight from the registers; with
+//                            top-1 routing the finalized bf16 output instead (finalize fused).
 // Tails: K is padded to 128 in the prepacked weights (zero weights) and the activation columns past K
 // are zero-filled; weight row groups past N and token rows past the tile's end are not loaded (stale
 // shared memory only reaches accumulator rows/columns that are never written).
@@ -94,6 +99,8 @@ struct Params {
   // GEMM2
   const int32_t* row_to_entry;     // [rows]
   float* y;                        // [entries, N]
+  __nv_bfloat16* out;              // top-1 only: [entries, N] finalized bf16 output instead of y
+  const float* out_weights;        // [entries] finalize weights, or nullptr for unit weights
 };
 
 // ---- PTX wrappers -----------------------------------------------------------------------------------
@@ -116,16 +123,19 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
 __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
 }
-// Arrives on `bar` once every cp.async issued so far by this thread has landed (count not raised).
-__device__ __forceinline__ void cp_async_arrive(uint32_t bar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {  // at most N of this thread's groups still pending
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 // 16-byte global -> shared copy; src_bytes 0 writes zeros (nothing is read).
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, uint32_t src_bytes) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
 }
 // NOTE: wgmma reads shared memory through the async proxy; the cp.async writes are generic-proxy
-// writes, so each consumer fences after observing a stage as full.
+// writes, so each producer thread waits for its copies of a stage, fences, and only then arrives on
+// the stage's `full` barrier. (A fence on the consumer side, after the barrier wait, costs a
+// MEMBAR.ALL.CTA per stage in the consumer warps, right in the wgmma stream.)
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
@@ -140,6 +150,11 @@ __device__ __forceinline__ void consumer_sync() {  // named barrier 1: the 256 c
 __device__ __forceinline__ uint4 lds128(uint32_t addr) {
   uint4 v;
   asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
+  return v;
+}
+__device__ __forceinline__ float lds_f32(uint32_t addr) {
+  float v;
+  asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(addr));
   return v;
 }
 __device__ __forceinline__ uint2 lds64(uint32_t addr) {
@@ -268,20 +283,24 @@ __device__ __forceinline__ uint32_t word_of(const uint4& v, int q) {
 }
 
 // Consumer main loop over the K chunks with wgmma width NT; acc[b] is block b's 64xNT accumulator.
+// One wgmma group per word q (2 k16 steps x 2 blocks); the group of word q+1 is decoded while the
+// group of word q runs. Across a stage boundary, the next stage's barrier wait, shared-memory loads
+// and word-0 decode are done while the stage's last two groups run.
+// NOTE: keeping a register-A wgmma in flight across the loop's back edge makes ptxas serialise every
+// wgmma (C7513), so the loop body holds two stages and drains (wait_group 0) once per pair.
 template <int NT>
 __device__ __forceinline__ void consumer_mainloop(const Params& p, uint8_t* smem, uint32_t bar_base,
                                                   float (&acc)[2][64]) {
   const int ctid = threadIdx.x;
   const int wg = ctid / 128, warp = (ctid / 32) % 4, lane = ctid % 32, g = lane / 4;
-  for (int kt = 0; kt < p.chunks; ++kt) {
+  uint4 wa[2], wb[2];
+  uint2 sa[2], sb[2];
+  // Waits for stage kt's data and loads this thread's weight words and scale codes of it.
+  auto load_stage = [&](int kt) {
     const int s = kt % kStages;
     mbar_wait(bar_base + 8 * s, (kt / kStages) & 1);
-    fence_proxy_async();
-    const uint32_t act_base = smem_addr(smem) + s * kStageBytes;
-    const uint32_t wsm = act_base + kActBytes;
+    const uint32_t wsm = smem_addr(smem) + s * kStageBytes + kActBytes;
     const uint32_t ssm = wsm + kWeightBytes;
-    uint4 wa[2], wb[2];
-    uint2 sa[2], sb[2];
 #pragma unroll
     for (int b = 0; b < 2; ++b) {
       const int mt = wg * 8 + b * 4 + warp;  // rows g from slot 2mt, rows g+8 from slot 2mt+1
@@ -290,41 +309,79 @@ __device__ __forceinline__ void consumer_mainloop(const Params& p, uint8_t* smem
       sa[b] = lds64(ssm + (2 * mt) * fp4layout::kChunkScaleBytes + g * 8);
       sb[b] = lds64(ssm + (2 * mt + 1) * fp4layout::kChunkScaleBytes + g * 8);
     }
-    uint32_t frag[2][2][2][4];  // [buffer][k16 step of the pair][block][register]
+  };
+  // Fragments of word q: f[k16 step of the pair][block][register].
+  auto decode = [&](int q, uint32_t (&f)[2][2][4]) {
 #pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      if (q >= 2) wgmma_wait<1>();  // the wgmmas of word q-2 (same buffer) are done
-      uint32_t (&f)[2][2][4] = frag[q & 1];
-#pragma unroll
-      for (int b = 0; b < 2; ++b) {
-        const uint32_t sca = fp4layout::decode_scale_pair(q < 2 ? sa[b].x : sa[b].y, q & 1);
-        const uint32_t scb = fp4layout::decode_scale_pair(q < 2 ? sb[b].x : sb[b].y, q & 1);
-        uint32_t da[4], db[4];
-        fp4layout::decode_word(word_of(wa[b], q), da);
-        fp4layout::decode_word(word_of(wb[b], q), db);
-        // step 2q: a0 = row g cols 2t.., a1 = row g+8, a2 = row g cols 2t+8.., a3 = row g+8 cols 2t+8..
-        f[0][b][0] = bf16x2_mul_lo(da[0], sca);
-        f[0][b][1] = bf16x2_mul_lo(db[0], scb);
-        f[0][b][2] = bf16x2_mul_lo(da[1], sca);
-        f[0][b][3] = bf16x2_mul_lo(db[1], scb);
-        // step 2q+1
-        f[1][b][0] = bf16x2_mul_hi(da[2], sca);
-        f[1][b][1] = bf16x2_mul_hi(db[2], scb);
-        f[1][b][2] = bf16x2_mul_hi(da[3], sca);
-        f[1][b][3] = bf16x2_mul_hi(db[3], scb);
-      }
-      wgmma_fence();
-#pragma unroll
-      for (int st = 0; st < 2; ++st) {
-        const int step = 2 * q + st;  // k16 step of the chunk: slab step/4, 32 bytes per step inside it
-        const uint64_t desc = make_desc_sw128(act_base + (step / 4) * kSlabBytes + (step % 4) * 32);
-#pragma unroll
-        for (int b = 0; b < 2; ++b) wgmma_tile<NT>(acc[b], f[st][b], desc);
-      }
-      wgmma_commit();
+    for (int b = 0; b < 2; ++b) {
+      const uint32_t sca = fp4layout::decode_scale_pair(q < 2 ? sa[b].x : sa[b].y, q & 1);
+      const uint32_t scb = fp4layout::decode_scale_pair(q < 2 ? sb[b].x : sb[b].y, q & 1);
+      uint32_t da[4], db[4];
+      fp4layout::decode_word(word_of(wa[b], q), da);
+      fp4layout::decode_word(word_of(wb[b], q), db);
+      // step 2q: a0 = row g cols 2t.., a1 = row g+8, a2 = row g cols 2t+8.., a3 = row g+8 cols 2t+8..
+      f[0][b][0] = bf16x2_mul_lo(da[0], sca);
+      f[0][b][1] = bf16x2_mul_lo(db[0], scb);
+      f[0][b][2] = bf16x2_mul_lo(da[1], sca);
+      f[0][b][3] = bf16x2_mul_lo(db[1], scb);
+      // step 2q+1
+      f[1][b][0] = bf16x2_mul_hi(da[2], sca);
+      f[1][b][1] = bf16x2_mul_hi(db[2], scb);
+      f[1][b][2] = bf16x2_mul_hi(da[3], sca);
+      f[1][b][3] = bf16x2_mul_hi(db[3], scb);
     }
-    wgmma_wait<0>();
-    mbar_arrive(bar_base + 8 * (kStages + s));  // this thread is done with the stage
+  };
+  uint32_t frag0[2][2][4];     // word 0 (decoded ahead, at the end of the previous stage)
+  uint32_t frag[2][2][2][4];   // words 1..3: buffer q & 1
+  // One wgmma group: the two k16 steps of word q of stage kt, both blocks.
+  auto issue = [&](int kt, int q, const uint32_t (&f)[2][2][4]) {
+    // The descriptor's start address field is (address >> 4) and the ring lies below 2^18 bytes, so a
+    // k16 step's descriptor is the stage's plus (offset >> 4): one add instead of a rebuild.
+    const uint64_t desc0 = make_desc_sw128(smem_addr(smem) + (kt % kStages) * kStageBytes);
+    wgmma_fence();
+#pragma unroll
+    for (int st = 0; st < 2; ++st) {
+      const int step = 2 * q + st;  // k16 step of the chunk: slab step/4, 32 bytes per step inside it
+      const uint64_t desc = desc0 + static_cast<uint64_t>(((step / 4) * kSlabBytes + (step % 4) * 32) >> 4);
+#pragma unroll
+      for (int b = 0; b < 2; ++b) wgmma_tile<NT>(acc[b], f[st][b], desc);
+    }
+    wgmma_commit();
+  };
+  // Words 1..3 of stage kt (word 0's group already issued), then the next stage's loads and word-0
+  // decode while the groups of words 2 and 3 run.
+  auto finish_stage = [&](int kt) {
+#pragma unroll
+    for (int q = 1; q < 4; ++q) {
+      if (q == 3) wgmma_wait<1>();  // the group of word 1 (same buffer) is done
+      decode(q, frag[q & 1]);
+      issue(kt, q, frag[q & 1]);
+    }
+    if (kt + 1 < p.chunks) {
+      wgmma_wait<2>();  // word 0's group is done: frag0 is free
+      load_stage(kt + 1);
+      decode(0, frag0);
+    }
+  };
+  load_stage(0);
+  decode(0, frag0);
+  // Stages go in pairs: between the two stages of a pair the wgmma stream does not drain (the first
+  // stage is released once its last group is done, after the second stage's first group is issued);
+  // at the end of a pair it drains (see the NOTE above).
+  for (int kt = 0; kt < p.chunks; kt += 2) {
+    issue(kt, 0, frag0);
+    finish_stage(kt);
+    if (kt + 1 < p.chunks) {
+      issue(kt + 1, 0, frag0);
+      wgmma_wait<1>();  // stage kt's last group is done (word 1's buffer is free as well)
+      mbar_arrive(bar_base + 8 * (kStages + kt % kStages));
+      finish_stage(kt + 1);
+      wgmma_wait<0>();
+      mbar_arrive(bar_base + 8 * (kStages + (kt + 1) % kStages));
+    } else {
+      wgmma_wait<0>();
+      mbar_arrive(bar_base + 8 * (kStages + kt % kStages));
+    }
   }
 #pragma unroll
   for (int b = 0; b < 2; ++b)
@@ -382,33 +439,50 @@ __device__ __forceinline__ void producer(const Params& p, uint8_t* smem, uint32_
       const uint32_t dst = act_base + (cc / 8) * kSlabBytes + r * 128 + (((cc % 8) ^ (r % 8)) << 4);
       cp_async16(dst, src, kvalid ? 16u : 0u);
     }
-    cp_async_arrive(bar_base + 8 * s);
+    cp_async_commit();
+    if (kt >= 1) {  // stage kt-1 has landed (stage kt's copies stay in flight): fence, then publish it
+      cp_async_wait<1>();
+      fence_proxy_async();
+      mbar_arrive(bar_base + 8 * ((kt - 1) % kStages));
+    }
   }
-  // NOTE: the producer leaves before the consumers are done; its copies must have landed by then.
-  asm volatile("cp.async.wait_all;" ::: "memory");
+  cp_async_wait<0>();
+  fence_proxy_async();
+  mbar_arrive(bar_base + 8 * ((p.chunks - 1) % kStages));
 }
 
 // ---- epilogue helpers -----------------------------------------------------------------------------
-__device__ __forceinline__ float activation(const ActivationParams& a, float g, float u) {
-  switch (a.kind) {
-    case Activation::SwiGLU:
-      return __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))), u);
-    case Activation::GeGLU: {
-      const float gelu = __fmul_rn(__fmul_rn(0.5f, g), __fadd_rn(1.0f, erff(__fmul_rn(g, 0.70710678118654752f))));
-      return __fmul_rn(gelu, u);
-    }
-    case Activation::SwiGLUOai: {
-      const float L = a.swiglu_limit;
-      const float gc = g > L ? L : g;                     // min(g, L), NaN stays NaN
-      const float uc = u > L ? L : (u < -L ? -L : u);     // clamp(u, -L, L), NaN stays NaN
-      const float sig = __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-__fmul_rn(a.swiglu_alpha, gc))));
-      return __fmul_rn(__fmul_rn(gc, sig), __fadd_rn(uc, a.swiglu_beta));
-    }
-    case Activation::Relu2:
-    default: {
-      const float r = g < 0.0f ? 0.0f : g;  // max(h, 0), NaN stays NaN
-      return __fmul_rn(r, r);
-    }
+// NOTE: the kind is a template parameter so that the 16 elements of an epilogue item are straight-line
+// code the compiler can interleave (a run-time switch per element serialised them on their loads).
+// The activation is split in two: the denominator of the sigmoid (exp, no branches) for all 16
+// elements first, then the IEEE division (whose slow-path branch ends a basic block) and the rest.
+template <Activation K>
+__device__ __forceinline__ float activation_denominator(const ActivationParams& a, float g) {
+  if constexpr (K == Activation::SwiGLU) {
+    return __fadd_rn(1.0f, expf(-g));
+  } else if constexpr (K == Activation::SwiGLUOai) {
+    const float gc = g > a.swiglu_limit ? a.swiglu_limit : g;  // min(g, L), NaN stays NaN
+    return __fadd_rn(1.0f, expf(-__fmul_rn(a.swiglu_alpha, gc)));
+  } else {
+    return 1.0f;  // unused
+  }
+}
+template <Activation K>
+__device__ __forceinline__ float activation(const ActivationParams& a, float g, float u, float den) {
+  if constexpr (K == Activation::SwiGLU) {
+    return __fmul_rn(__fdiv_rn(g, den), u);
+  } else if constexpr (K == Activation::GeGLU) {
+    const float gelu = __fmul_rn(__fmul_rn(0.5f, g), __fadd_rn(1.0f, erff(__fmul_rn(g, 0.70710678118654752f))));
+    return __fmul_rn(gelu, u);
+  } else if constexpr (K == Activation::SwiGLUOai) {
+    const float L = a.swiglu_limit;
+    const float gc = g > L ? L : g;                     // min(g, L), NaN stays NaN
+    const float uc = u > L ? L : (u < -L ? -L : u);     // clamp(u, -L, L), NaN stays NaN
+    const float sig = __fdiv_rn(1.0f, den);
+    return __fmul_rn(__fmul_rn(gc, sig), __fadd_rn(uc, a.swiglu_beta));
+  } else {  // Relu2
+    const float r = g < 0.0f ? 0.0f : g;  // max(h, 0), NaN stays NaN
+    return __fmul_rn(r, r);
   }
 }
 __device__ __forceinline__ float epilogue_scale(float alpha, float acc) {
@@ -417,6 +491,76 @@ __device__ __forceinline__ float epilogue_scale(float alpha, float acc) {
 __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
   const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // RNE each
   return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// e2m1_to_float(e2m1_from_float(y)) of nvfp4_device.cuh without branches: the rounded magnitude
+// counts the thresholds |y| passes (0.25 < , 0.75 <=, 1.25 <, 1.75 <=, 2.5 <, 3.5 <=, 5 <: the same
+// ties as e2m1_from_float), each step an exact increment (0.5, 0.5, 0.5, 0.5, 1, 1, 2); the sign is
+// y's (-0 for small negatives), and NaN gives code 7, i.e. +6.
+// NOTE: the compiler turns e2m1_from_float's if-chain into divergent branches per element, which
+// dominated the GEMM1 epilogue.
+__device__ __forceinline__ float e2m1_round_value(float y) {
+  const float a = fabsf(y);
+  float v = a > 0.25f ? 0.5f : 0.0f;
+  v = __fadd_rn(v, a >= 0.75f ? 0.5f : 0.0f);
+  v = __fadd_rn(v, a > 1.25f ? 0.5f : 0.0f);
+  v = __fadd_rn(v, a >= 1.75f ? 0.5f : 0.0f);
+  v = __fadd_rn(v, a > 2.5f ? 1.0f : 0.0f);
+  v = __fadd_rn(v, a >= 3.5f ? 1.0f : 0.0f);
+  v = __fadd_rn(v, a > 5.0f ? 2.0f : 0.0f);
+  v = __uint_as_float(__float_as_uint(v) | (__float_as_uint(y) & 0x80000000u));
+  return isnan(y) ? 6.0f : v;
+}
+// nvfp4::fake_quantize_block16 (block scale from the amax, then q * sf per element), branch-free per
+// element.
+__device__ __forceinline__ void fake_quantize_block16(float (&x)[16], float gs, float inv_gs) {
+  float amax = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) amax = nvfp4::amax_update(amax, x[i]);
+  const uint32_t sf = nvfp4::nvfp4_block_scale(amax, gs);
+  const float osc = nvfp4::nvfp4_output_scale(sf, inv_gs);
+  const float sf_value = nvfp4::e4m3_to_float(sf);
+#pragma unroll
+  for (int i = 0; i < 16; ++i) x[i] = __fmul_rn(e2m1_round_value(__fmul_rn(x[i], osc)), sf_value);
+}
+
+// GEMM1 epilogue items: item = (token, 16 consecutive output columns) of the staged tile; all 16 (32
+// when gated) staged values are loaded first, then the activation and (w4a4) the re-quantization.
+// Gated kinds read gate column i at staging row i and up at row 128 + i; relu2 reads row i.
+template <Activation K>
+__device__ __forceinline__ void gemm1_items(const Params& p, const float* stg, int64_t out_base, int items,
+                                            int valid_rows, float gs, float inv_gs) {
+  constexpr bool kGated = K != Activation::Relu2;
+  for (int item = threadIdx.x; item < items; item += kConsumerThreads) {
+    const int tok = item % valid_rows, blk = item / valid_rows;
+    const uint32_t src = smem_addr(stg + (blk * 16) * kStagingStride + tok);
+    float h[16], u[16], x[16];
+    // NOTE: volatile loads, all issued before any math: plain loads were sunk next to each element's
+    // use, between the division slow-path branches, and paid the load latency 16 times.
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      h[i] = lds_f32(src + i * kStagingStride * 4);
+      u[i] = kGated ? lds_f32(src + (kBlockN / 2 + i) * kStagingStride * 4) : 0.0f;
+    }
+    float den[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) den[i] = activation_denominator<K>(p.act, h[i]);
+#pragma unroll
+    for (int i = 0; i < 16; ++i) x[i] = activation<K>(p.act, h[i], u[i], den[i]);
+    if (p.quantize) fake_quantize_block16(x, gs, inv_gs);  // q*sf, exact in bf16
+    uint4 lo, hi;
+    lo.x = pack_bf16x2(x[0], x[1]);
+    lo.y = pack_bf16x2(x[2], x[3]);
+    lo.z = pack_bf16x2(x[4], x[5]);
+    lo.w = pack_bf16x2(x[6], x[7]);
+    hi.x = pack_bf16x2(x[8], x[9]);
+    hi.y = pack_bf16x2(x[10], x[11]);
+    hi.z = pack_bf16x2(x[12], x[13]);
+    hi.w = pack_bf16x2(x[14], x[15]);
+    uint4* dst = reinterpret_cast<uint4*>(p.act_out + out_base + tok * static_cast<int64_t>(p.out_cols) + blk * 16);
+    dst[0] = lo;
+    dst[1] = hi;
+  }
 }
 
 __global__ void __launch_bounds__(kThreads, 1) expert_gemm_kernel(const Params p) {
@@ -487,8 +631,16 @@ __global__ void __launch_bounds__(kThreads, 1) expert_gemm_kernel(const Params p
         for (int r = 0; r < 4; ++r) {
           const int n = n_lo + (r >= 2 ? 8 : 0);
           const int tok = 8 * j + 2 * t + (r & 1);
-          if (tok < valid_rows && n < p.N)
-            p.y[static_cast<int64_t>(tok_entry[tok]) * p.N + n] = epilogue_scale(alpha, acc[b][4 * j + r]);
+          if (tok < valid_rows && n < p.N) {
+            const int64_t entry = tok_entry[tok];
+            const float y = epilogue_scale(alpha, acc[b][4 * j + r]);
+            if (p.out != nullptr) {  // top-1: finalize's arithmetic, 0 + w * y, then bf16
+              const float w = p.out_weights != nullptr ? p.out_weights[entry] : 1.0f;
+              p.out[entry * p.N + n] = __float2bfloat16_rn(__fadd_rn(0.0f, __fmul_rn(w, y)));
+            } else {
+              p.y[entry * p.N + n] = y;
+            }
+          }
         }
       }
     }
@@ -525,27 +677,20 @@ __global__ void __launch_bounds__(kThreads, 1) expert_gemm_kernel(const Params p
     gs = nvfp4::global_inv_scale(p.act_scale[expert]);
     inv_gs = __fdiv_rn(1.0f, gs);
   }
-  for (int item = ctid; item < items; item += kConsumerThreads) {
-    const int tok = item % valid_rows, blk = item / valid_rows;
-    float x[16];
-    for (int i = 0; i < 16; ++i) {
-      const float h = stg[(blk * 16 + i) * kStagingStride + tok];
-      const float u = gated ? stg[(kBlockN / 2 + blk * 16 + i) * kStagingStride + tok] : 0.0f;
-      x[i] = activation(p.act, h, u);
-    }
-    if (p.quantize) nvfp4::fake_quantize_block16(x, gs, inv_gs);  // q*sf, exact in bf16
-    uint4 lo, hi;
-    lo.x = pack_bf16x2(x[0], x[1]);
-    lo.y = pack_bf16x2(x[2], x[3]);
-    lo.z = pack_bf16x2(x[4], x[5]);
-    lo.w = pack_bf16x2(x[6], x[7]);
-    hi.x = pack_bf16x2(x[8], x[9]);
-    hi.y = pack_bf16x2(x[10], x[11]);
-    hi.z = pack_bf16x2(x[12], x[13]);
-    hi.w = pack_bf16x2(x[14], x[15]);
-    uint4* dst = reinterpret_cast<uint4*>(p.act_out + (row_start + tok) * static_cast<int64_t>(p.out_cols) + i0 + blk * 16);
-    dst[0] = lo;
-    dst[1] = hi;
+  const int64_t out_base = row_start * static_cast<int64_t>(p.out_cols) + i0;
+  switch (p.act.kind) {
+    case Activation::SwiGLU:
+      gemm1_items<Activation::SwiGLU>(p, stg, out_base, items, valid_rows, gs, inv_gs);
+      break;
+    case Activation::GeGLU:
+      gemm1_items<Activation::GeGLU>(p, stg, out_base, items, valid_rows, gs, inv_gs);
+      break;
+    case Activation::SwiGLUOai:
+      gemm1_items<Activation::SwiGLUOai>(p, stg, out_base, items, valid_rows, gs, inv_gs);
+      break;
+    default:
+      gemm1_items<Activation::Relu2>(p, stg, out_base, items, valid_rows, gs, inv_gs);
+      break;
   }
 }
 
