@@ -109,11 +109,14 @@ cudaError_t launch_gemm1_act(const Gemm1Args& args, cudaStream_t stream) {
 
 cudaError_t launch_gemm2(const Gemm2Args& args, cudaStream_t stream) {
   if (!common_args_valid(args)) return cudaErrorInvalidValue;
-  if (args.max_tiles > 0 && (!args.row_to_entry || !args.y || !aligned(args.y, 4))) return cudaErrorInvalidValue;
+  if (args.max_tiles > 0 && (!args.row_to_entry || (!args.y && !args.out) || (args.y && !aligned(args.y, 4))))
+    return cudaErrorInvalidValue;
   sm90gemm::Params p = common_params(args);
   p.epilogue = sm90gemm::Epilogue::Gemm2;
   p.row_to_entry = args.row_to_entry;
   p.y = args.y;
+  p.out = args.out;
+  p.out_weights = args.out_weights;
   p.out_cols = static_cast<int>(args.N);
   return launch(p, sm90gemm::kBlockN, args.N, stream);
 }

@@ -355,10 +355,23 @@ Status GpuMoeRunner::run(cudaStream_t stream, const ForwardArgs& a, bool routed,
   g2.a = g1.act;
   g2.row_to_entry = pa.row_to_entry;
   g2.y = region<float>(ws, plan.y);
+  // NOTE: with top-1 routing the finalize is one multiply per element: GEMM2 writes the output itself
+  // (saves writing and re-reading y). Precomputed ids keep the separate finalize, which turns an
+  // out-of-range id (a token without a GEMM row) into a NaN row.
+  const bool fuse_finalize = k == 1 && !routed;
+  if (fuse_finalize) {
+    g2.y = nullptr;
+    g2.out = static_cast<__nv_bfloat16*>(a.output);
+    g2.out_weights = p.routing.apply_router_weight_on_input ? nullptr : weights;
+  }
   FP4MOE_LAUNCH(5, "gemm2", kernels::launch_gemm2(g2, stream));
+  if (fuse_finalize) {
+    if (marks) cudaEventRecord(marks[6], stream);
+    return Status::success();
+  }
 
   kernels::FinalizeArgs f;
-  f.y = g2.y;
+  f.y = region<float>(ws, plan.y);
   f.topk_weights = weights;
   f.num_tokens = T;
   f.top_k = k;
