@@ -493,37 +493,6 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
   return *reinterpret_cast<const uint32_t*>(&v);
 }
 
-// e2m1_to_float(e2m1_from_float(y)) of nvfp4_device.cuh without branches: the rounded magnitude
-// counts the thresholds |y| passes (0.25 < , 0.75 <=, 1.25 <, 1.75 <=, 2.5 <, 3.5 <=, 5 <: the same
-// ties as e2m1_from_float), each step an exact increment (0.5, 0.5, 0.5, 0.5, 1, 1, 2); the sign is
-// y's (-0 for small negatives), and NaN gives code 7, i.e. +6.
-// NOTE: the compiler turns e2m1_from_float's if-chain into divergent branches per element, which
-// dominated the GEMM1 epilogue.
-__device__ __forceinline__ float e2m1_round_value(float y) {
-  const float a = fabsf(y);
-  float v = a > 0.25f ? 0.5f : 0.0f;
-  v = __fadd_rn(v, a >= 0.75f ? 0.5f : 0.0f);
-  v = __fadd_rn(v, a > 1.25f ? 0.5f : 0.0f);
-  v = __fadd_rn(v, a >= 1.75f ? 0.5f : 0.0f);
-  v = __fadd_rn(v, a > 2.5f ? 1.0f : 0.0f);
-  v = __fadd_rn(v, a >= 3.5f ? 1.0f : 0.0f);
-  v = __fadd_rn(v, a > 5.0f ? 2.0f : 0.0f);
-  v = __uint_as_float(__float_as_uint(v) | (__float_as_uint(y) & 0x80000000u));
-  return isnan(y) ? 6.0f : v;
-}
-// nvfp4::fake_quantize_block16 (block scale from the amax, then q * sf per element), branch-free per
-// element.
-__device__ __forceinline__ void fake_quantize_block16(float (&x)[16], float gs, float inv_gs) {
-  float amax = 0.0f;
-#pragma unroll
-  for (int i = 0; i < 16; ++i) amax = nvfp4::amax_update(amax, x[i]);
-  const uint32_t sf = nvfp4::nvfp4_block_scale(amax, gs);
-  const float osc = nvfp4::nvfp4_output_scale(sf, inv_gs);
-  const float sf_value = nvfp4::e4m3_to_float(sf);
-#pragma unroll
-  for (int i = 0; i < 16; ++i) x[i] = __fmul_rn(e2m1_round_value(__fmul_rn(x[i], osc)), sf_value);
-}
-
 // GEMM1 epilogue items: item = (token, 16 consecutive output columns) of the staged tile; all 16 (32
 // when gated) staged values are loaded first, then the activation and (w4a4) the re-quantization.
 // Gated kinds read gate column i at staging row i and up at row 128 + i; relu2 reads row i.
@@ -547,7 +516,7 @@ __device__ __forceinline__ void gemm1_items(const Params& p, const float* stg, i
     for (int i = 0; i < 16; ++i) den[i] = activation_denominator<K>(p.act, h[i]);
 #pragma unroll
     for (int i = 0; i < 16; ++i) x[i] = activation<K>(p.act, h[i], u[i], den[i]);
-    if (p.quantize) fake_quantize_block16(x, gs, inv_gs);  // q*sf, exact in bf16
+    if (p.quantize) nvfp4::fake_quantize_block16(x, gs, inv_gs);  // q*sf, exact in bf16
     uint4 lo, hi;
     lo.x = pack_bf16x2(x[0], x[1]);
     lo.y = pack_bf16x2(x[2], x[3]);

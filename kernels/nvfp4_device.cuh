@@ -104,6 +104,24 @@ __device__ __forceinline__ uint32_t nvfp4_quantize_value(float x, float osc) {
   return e2m1_from_float(__fmul_rn(x, osc));
 }
 
+// e2m1_to_float(e2m1_from_float(y)) without branches: the rounded magnitude
+// counts the thresholds |y| passes (0.25 < , 0.75 <=, 1.25 <, 1.75 <=, 2.5 <, 3.5 <=, 5 <: the same
+// ties as e2m1_from_float), each step an exact increment (0.5, 0.5, 0.5, 0.5, 1, 1, 2); the sign is
+// y's (-0 for small negatives), and NaN gives code 7, i.e. +6.
+// NOTE: the compiler turns e2m1_from_float's if-chain into divergent branches per element, which
+// dominated the GEMM1 epilogue and the activation quantization.
+__device__ __forceinline__ float e2m1_round_value(float y) {
+  const float a = fabsf(y);
+  float v = a > 0.25f ? 0.5f : 0.0f;
+  v = __fadd_rn(v, a >= 0.75f ? 0.5f : 0.0f);
+  v = __fadd_rn(v, a > 1.25f ? 0.5f : 0.0f);
+  v = __fadd_rn(v, a >= 1.75f ? 0.5f : 0.0f);
+  v = __fadd_rn(v, a > 2.5f ? 1.0f : 0.0f);
+  v = __fadd_rn(v, a >= 3.5f ? 1.0f : 0.0f);
+  v = __fadd_rn(v, a > 5.0f ? 2.0f : 0.0f);
+  v = __uint_as_float(__float_as_uint(v) | (__float_as_uint(y) & 0x80000000u));
+  return isnan(y) ? 6.0f : v;
+}
 // ---- one block of 16 ------------------------------------------------------------------------------
 struct Block16 {
   uint32_t packed[2];  // 8 bytes, little-endian: element 2j in the low nibble of byte j
@@ -140,7 +158,7 @@ __device__ __forceinline__ uint32_t fake_quantize_block16(float (&x)[kBlock], fl
   const float sf_value = e4m3_to_float(sf);
 #pragma unroll
   for (int i = 0; i < kBlock; ++i)
-    x[i] = __fmul_rn(e2m1_to_float(nvfp4_quantize_value(x[i], osc)), sf_value);
+    x[i] = __fmul_rn(e2m1_round_value(__fmul_rn(x[i], osc)), sf_value);
   return sf;
 }
 
