@@ -1,7 +1,8 @@
 // runner/bench.cu — ceilings and layer benchmarks (include/fp4moe/bench.hpp).
 //
 // Steps of bench_model:
-//   1. random NVFP4 weights for the whole model (io::make_random_packed_case), one runner, prepared once
+//   1. random NVFP4 weights for the whole model (io::make_random_packed_case) or given ones (a
+//      checkpoint's layer), one runner, prepared once
 //   2. per T: fresh random hidden states and logits, one forward whose first tokens are checked against
 //      the CPU reference (experts hit from its routing)
 //   3. capture one forward in a CUDA graph; warm-up replays; then `reps` replays, each after an L2
@@ -64,14 +65,14 @@ double median(std::vector<double> v) {
 
 // Checks the first few tokens of a benchmark forward against the CPU reference (routing identical,
 // output within the layer tolerance of tests/runner: relative L2 < 5e-3). Throws on a mismatch.
-void refcheck(const io::MoeCase& weights, const std::vector<uint16_t>& hidden, const std::vector<float>& logits,
+void refcheck(const MoeProblem& p, const reference::MoeWeights& weights, const std::vector<uint16_t>& hidden,
+              const std::vector<float>& logits,
               const std::vector<float>& bias, int64_t T, const void* d_ids, const void* d_out) {
-  const MoeProblem& p = weights.problem;
   const int64_t n = std::min<int64_t>(T, 4), H = p.hidden, k = p.top_k();
   reference::RouterInput router;
   router.logits = logits.data();
   router.bias = bias.empty() ? nullptr : bias.data();
-  const reference::MoeResult ref = reference::moe_forward(p, n, hidden.data(), router, weights.weights());
+  const reference::MoeResult ref = reference::moe_forward(p, n, hidden.data(), router, weights);
   std::vector<int32_t> ids(n * k);
   std::vector<uint16_t> out(n * H);
   ck(cudaMemcpy(ids.data(), d_ids, ids.size() * 4, cudaMemcpyDeviceToHost), "download ids");
@@ -153,6 +154,14 @@ Ceilings measure_ceilings() {
 
 std::vector<BenchRow> bench_model(const std::string& model, const MoeProblem& p, const std::vector<int64_t>& tokens,
                                   const Ceilings& ceil, const BenchOptions& opt, bool progress) {
+  if (progress) std::fprintf(stderr, "bench %s: preparing random NVFP4 weights ...\n", model.c_str());
+  const io::MoeCase random = io::make_random_packed_case(p, 0, opt.seed);
+  return bench_weights(model, p, random.weights(), tokens, ceil, opt, progress);
+}
+
+std::vector<BenchRow> bench_weights(const std::string& model, const MoeProblem& p, const reference::MoeWeights& weights,
+                                    const std::vector<int64_t>& tokens, const Ceilings& ceil, const BenchOptions& opt,
+                                    bool progress) {
   check(opt.reps >= 20, "bench: reps must be >= 20, got ", opt.reps);
   check(!tokens.empty(), "bench: no token counts given");
   for (int64_t t : tokens) check(t >= 1, "bench: token counts must be >= 1, got ", t);
@@ -161,10 +170,8 @@ std::vector<BenchRow> bench_model(const std::string& model, const MoeProblem& p,
   const bool routed = p.routing.method == RoutingMethod::Precomputed;
   check(!routed, "bench: a preset with precomputed routing cannot be benchmarked from logits");
 
-  if (progress) std::fprintf(stderr, "bench %s: preparing random NVFP4 weights ...\n", model.c_str());
-  io::MoeCase weights = io::make_random_packed_case(p, 0, opt.seed);
   auto runner = MoeRunner::create(p, max_t);
-  if (Status s = runner->prepare_weights(weights.weights()); !s.ok()) throw Error(s.message);
+  if (Status s = runner->prepare_weights(weights); !s.ok()) throw Error(s.message);
 
   cudaStream_t stream;
   ck(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
@@ -212,7 +219,7 @@ std::vector<BenchRow> bench_model(const std::string& model, const MoeProblem& p,
     if (Status s = runner->forward(stream, a); !s.ok()) throw Error(s.message);
     ck(cudaStreamSynchronize(stream), "forward");
 
-    refcheck(weights, h, lg, bs, T, ids.ptr, out.ptr);
+    refcheck(p, weights, h, lg, bs, T, ids.ptr, out.ptr);
 
     BenchRow row;
     row.model = model;

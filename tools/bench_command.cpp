@@ -5,9 +5,11 @@
 
 #include <cstdio>
 #include <fstream>
+#include <optional>
 #include <sstream>
 
 #include "fp4moe/bench.hpp"
+#include "fp4moe/checkpoint.hpp"
 #include "fp4moe/error.hpp"
 #include "fp4moe/presets.hpp"
 
@@ -43,7 +45,9 @@ std::vector<int64_t> parse_tokens(const std::string& s) {
 
 void add_bench_command(CLI::App& app, BenchCommandOptions& o) {
   CLI::App* b = app.add_subcommand("bench", "Time the layer against its floor (CUDA-graph replay, cold L2)");
-  b->add_option("--model", o.models, "Preset name(s), comma-separated")->required();
+  b->add_option("--model", o.models, "Preset name(s), comma-separated");
+  b->add_option("--checkpoint", o.checkpoint, "A checkpoint directory instead of presets (with --layer)");
+  b->add_option("--layer", o.layer, "With --checkpoint: the MoE layer index");
   b->add_option("--tokens", o.tokens, "Token counts, comma-separated")->capture_default_str();
   b->add_option("--mode", o.mode, "w4a16, w4a4_scalar or w4a4_per_expert")->capture_default_str();
   b->add_option("--json", o.json, "Write the results as JSON to this file");
@@ -56,7 +60,14 @@ int run_bench_command(const BenchCommandOptions& o) {
   const ActQuant mode = parse_act_quant(o.mode, "--mode");
   const std::vector<int64_t> tokens = parse_tokens(o.tokens);
   const std::vector<std::string> models = split(o.models);
+  check(models.empty() != o.checkpoint.empty(), "bench: give either --model PRESET[,PRESET] or --checkpoint DIR --layer L");
   for (const auto& m : models) (void)preset(m, mode);  // unknown names fail before any GPU work
+  std::optional<io::MoeLayerWeights> layer;
+  if (!o.checkpoint.empty()) {  // the checkpoint loads (and is checked) before any GPU work
+    check(o.layer >= 0, "bench --checkpoint: --layer L (>= 0) is required");
+    layer = io::Checkpoint::open(o.checkpoint).load_layer(o.layer);
+    layer->problem.act_quant = mode;
+  }
 
   std::fprintf(stderr, "bench: measuring ceilings ...\n");
   const Ceilings c = measure_ceilings();
@@ -68,6 +79,11 @@ int run_bench_command(const BenchCommandOptions& o) {
   for (const auto& m : models) {
     auto r = bench_model(m, preset(m, mode), tokens, c, opt, true);
     rows.insert(rows.end(), r.begin(), r.end());
+  }
+  if (layer) {
+    const std::string label = "layer " + std::to_string(o.layer);
+    std::fprintf(stderr, "bench %s of %s: %s\n", label.c_str(), o.checkpoint.c_str(), layer->problem.describe().c_str());
+    rows = bench_weights(label, layer->problem, layer->weights(), tokens, c, opt, true);
   }
 
   std::printf("\n%-16s %-16s %6s %5s %10s %10s %10s %7s %8s %8s | %7s %7s %7s %7s %7s %7s\n", "model", "mode", "T",

@@ -3,6 +3,7 @@
 
 #include <CLI/CLI.hpp>
 
+#include <cstdint>
 #include <string>
 
 namespace fp4moe::tools {
@@ -13,6 +14,8 @@ struct BenchCommandOptions {
   std::string mode = "w4a4_scalar";
   std::string json, csv;
   int reps = 30;
+  std::string checkpoint;  // instead of --model: a checkpoint directory ...
+  int64_t layer = -1;      // ... and its MoE layer
   CLI::App* command = nullptr;
 };
 

@@ -2,7 +2,7 @@
 //
 //   fp4moe run --case CASE.safetensors --out OUT.safetensors [--device cpu|cuda]
 //   fp4moe demo [--model tiny] [--tokens 64] [--device auto|cpu|cuda] [--seed 1]
-//   fp4moe bench --model PRESET[,PRESET] --tokens LIST [--mode M] [--json F] [--csv F]
+//   fp4moe bench (--model PRESET[,PRESET] | --checkpoint DIR --layer L) --tokens LIST [--mode M] [--json F] [--csv F]
 //   fp4moe run --checkpoint DIR --layer L --tokens T [--device cpu|cuda] [--out OUT] [--seed S]
 //   fp4moe inspect DIR
 #include <CLI/CLI.hpp>
@@ -145,12 +145,6 @@ int main(int argc, char** argv) {
 
   BenchCommandOptions bench;
   add_bench_command(app, bench);
-  // `bench --checkpoint` is recognised so that it can say it is not supported yet.
-  std::string bench_checkpoint;
-  int64_t bench_layer = -1;
-  bench.command->get_option("--model")->required(false);
-  bench.command->add_option("--checkpoint", bench_checkpoint, "Checkpoint directory (not supported yet)");
-  bench.command->add_option("--layer", bench_layer, "With --checkpoint: the MoE layer index");
 
   InspectCommandOptions inspect;
   add_inspect_command(app, inspect);
@@ -171,15 +165,8 @@ int main(int argc, char** argv) {
     }
     if (inspect.command->parsed()) return run_inspect_command(inspect);
     if (fixture.command->parsed()) return run_make_fixture_command(fixture);
-    if (bench.command->parsed() && !bench_checkpoint.empty())
-      throw fp4moe::Error("bench --checkpoint is not supported yet: the benchmark runs random weights of a preset "
-                          "(use --model); time a checkpoint's layer with `run --checkpoint DIR --layer L --device cuda`");
-    if (bench.command->parsed()) {
-      fp4moe::check(!bench.models.empty(), "bench: --model is required");
-      return run_bench_command(bench);
-    }
-    if (demo->parsed()) return cmd_demo(model, tokens, demo_device, seed);
     if (bench.command->parsed()) return run_bench_command(bench);
+    if (demo->parsed()) return cmd_demo(model, tokens, demo_device, seed);
   } catch (const fp4moe::Error& e) {
     std::fprintf(stderr, "fp4moe: error: %s\n", e.what());
     return 2;

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "fp4moe/problem.hpp"
+#include "fp4moe/reference.hpp"
 
 namespace fp4moe {
 
@@ -55,5 +56,12 @@ struct BenchRow {
 std::vector<BenchRow> bench_model(const std::string& model, const MoeProblem& problem,
                                   const std::vector<int64_t>& tokens, const Ceilings& ceilings,
                                   const BenchOptions& options, bool progress = true);
+
+// The same with given weights (e.g. a checkpoint's layer, io::MoeLayerWeights::weights()). Inputs are
+// random; routing uses the problem's method on random logits (a real router is not needed to time
+// the layer). `label` names the rows.
+std::vector<BenchRow> bench_weights(const std::string& label, const MoeProblem& problem,
+                                    const reference::MoeWeights& weights, const std::vector<int64_t>& tokens,
+                                    const Ceilings& ceilings, const BenchOptions& options, bool progress = true);
 
 }  // namespace fp4moe

@@ -1,13 +1,18 @@
-// runner/unavailable — the MoeRunner of a build without CUDA: every entry point says so.
+// runner/unavailable — the GPU entry points of a build without CUDA: each one says so.
 #include "fp4moe/bench.hpp"
 #include "fp4moe/runner.hpp"
 
 namespace fp4moe {
+namespace {
+[[noreturn]] void unavailable(const char* what) {
+  throw Error(detail::concat(what, ": fp4moe was built without CUDA (no nvcc found at configure time); rebuild on a "
+                                   "machine with the CUDA toolkit, or use --device cpu"));
+}
+}  // namespace
 
 std::unique_ptr<MoeRunner> MoeRunner::create(const MoeProblem& problem, int64_t, int) {
   problem.validate();
-  throw Error("MoeRunner: fp4moe was built without CUDA (no nvcc found at configure time); "
-              "rebuild on a machine with the CUDA toolkit, or use --device cpu");
+  unavailable("MoeRunner");
 }
 
 bool cuda_device_available(std::string* why_not) {
@@ -15,18 +20,18 @@ bool cuda_device_available(std::string* why_not) {
   return false;
 }
 
-}  // namespace fp4moe
+reference::MoeResult run_case_on_gpu(const io::MoeCase&, double*) { unavailable("run_case_on_gpu"); }
 
-namespace fp4moe {
-reference::MoeResult run_case_on_gpu(const io::MoeCase&, double*) {
-  throw Error("run_case_on_gpu: fp4moe was built without CUDA; use --device cpu");
-}
-}  // namespace fp4moe
+Ceilings measure_ceilings() { unavailable("bench"); }
 
-namespace fp4moe {
-Ceilings measure_ceilings() { throw Error("bench: fp4moe was built without CUDA"); }
 std::vector<BenchRow> bench_model(const std::string&, const MoeProblem&, const std::vector<int64_t>&, const Ceilings&,
                                   const BenchOptions&, bool) {
-  throw Error("bench: fp4moe was built without CUDA");
+  unavailable("bench");
 }
+
+std::vector<BenchRow> bench_weights(const std::string&, const MoeProblem&, const reference::MoeWeights&,
+                                    const std::vector<int64_t>&, const Ceilings&, const BenchOptions&, bool) {
+  unavailable("bench");
+}
+
 }  // namespace fp4moe

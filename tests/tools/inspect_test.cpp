@@ -145,9 +145,13 @@ TEST(RunCheckpoint, ErrorsExitTwo) {
   const CliRun strict = cli("run --checkpoint " + dir + " --layer 1 --fusion nope");
   EXPECT_EQ(strict.status, 2);
   EXPECT_THAT(strict.output, HasSubstr("rescale_to_max"));
-  const CliRun bench = cli("bench --checkpoint " + dir + " --layer 1");
-  EXPECT_EQ(bench.status, 2);
-  EXPECT_THAT(bench.output, HasSubstr("not supported yet"));
+  // bench --checkpoint loads and checks the layer before any GPU work.
+  const CliRun bench_dense = cli("bench --checkpoint " + dir + " --layer 0 --tokens 1");
+  EXPECT_EQ(bench_dense.status, 2);
+  EXPECT_THAT(bench_dense.output, HasSubstr("layer 0 is dense"));
+  const CliRun bench_both = cli("bench --model tiny --checkpoint " + dir + " --layer 1");
+  EXPECT_EQ(bench_both.status, 2);
+  EXPECT_THAT(bench_both.output, HasSubstr("either --model"));
 }
 
 }  // namespace
