@@ -11,29 +11,13 @@
 #include "fp4moe/presets.hpp"
 #include "fp4moe/reference.hpp"
 #include "fp4moe/safetensors.hpp"
+#include "tools/cli_run.hpp"
 
 namespace fp4moe {
 namespace {
 
 using ::testing::AllOf;
 using ::testing::HasSubstr;
-
-struct CliRun {
-  int status;
-  std::string output;  // stdout and stderr
-};
-
-CliRun cli(const std::string& args) {
-  const std::string cmd = std::string(FP4MOE_CLI_PATH) + " " + args + " 2>&1";
-  FILE* pipe = popen(cmd.c_str(), "r");
-  EXPECT_NE(pipe, nullptr);
-  std::string out;
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof buf, pipe)) > 0) out.append(buf, n);
-  const int raw = pclose(pipe);
-  return {WIFEXITED(raw) ? WEXITSTATUS(raw) : -1, out};
-}
 
 std::string tmp_path(const std::string& name) {
   std::filesystem::create_directories(FP4MOE_TEST_TMPDIR);

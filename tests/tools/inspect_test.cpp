@@ -13,6 +13,7 @@
 #include "fp4moe/checkpoint.hpp"
 #include "fp4moe/reference.hpp"
 #include "fp4moe/safetensors.hpp"
+#include "tools/cli_run.hpp"
 
 namespace fp4moe {
 namespace {
@@ -20,23 +21,6 @@ namespace {
 namespace fs = std::filesystem;
 using ::testing::AllOf;
 using ::testing::HasSubstr;
-
-struct CliRun {
-  int status;
-  std::string output;  // stdout and stderr
-};
-
-CliRun cli(const std::string& args) {
-  const std::string cmd = std::string(FP4MOE_CLI_PATH) + " " + args + " 2>&1";
-  FILE* pipe = popen(cmd.c_str(), "r");
-  EXPECT_NE(pipe, nullptr);
-  std::string out;
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof buf, pipe)) > 0) out.append(buf, n);
-  const int raw = pclose(pipe);
-  return {WIFEXITED(raw) ? WEXITSTATUS(raw) : -1, out};
-}
 
 std::string fresh_dir(const std::string& name) {
   const fs::path p = fs::path(FP4MOE_TEST_TMPDIR) / "inspect" / name;
