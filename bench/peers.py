@@ -558,6 +558,9 @@ def parse_args(argv):
 
 
 def git_commit():
+    """The commit measured: FP4MOE_COMMIT when set (a copied tree without .git), else git describe."""
+    if os.environ.get("FP4MOE_COMMIT"):
+        return os.environ["FP4MOE_COMMIT"]
     try:
         return subprocess.run(["git", "-C", str(ROOT), "describe", "--always", "--dirty", "--abbrev=12"],
                               capture_output=True, text=True, timeout=10).stdout.strip() or None
