@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "error_message.hpp"
 #include "fp4moe/error.hpp"
 #include "fp4moe/format.hpp"
 
@@ -37,15 +38,6 @@ std::vector<uint8_t> pack(const std::vector<uint8_t>& codes) {
   std::vector<uint8_t> out(codes.size() / 2);
   for (size_t j = 0; j < out.size(); ++j) out[j] = static_cast<uint8_t>(codes[2 * j] | (codes[2 * j + 1] << 4));
   return out;
-}
-
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "<no error>";
 }
 
 TEST(FormatNvfp4, IdentityScaleBlock) {

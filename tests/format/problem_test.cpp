@@ -8,6 +8,7 @@
 #include <limits>
 #include <string>
 
+#include "error_message.hpp"
 #include "fp4moe/error.hpp"
 #include "fp4moe/presets.hpp"
 #include "fp4moe/problem.hpp"
@@ -17,15 +18,6 @@ namespace {
 
 using ::testing::AllOf;
 using ::testing::HasSubstr;
-
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "<no error>";
-}
 
 TEST(Problem, RoutingNamesRoundTrip) {
   const std::pair<RoutingMethod, const char*> all[] = {

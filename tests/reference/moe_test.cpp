@@ -20,6 +20,7 @@
 #include <string>
 #include <vector>
 
+#include "error_message.hpp"
 #include "fp4moe/error.hpp"
 #include "fp4moe/format.hpp"
 #include "fp4moe/reference.hpp"
@@ -44,16 +45,6 @@ float bf16_value(uint16_t b) {
   return f;
 }
 float bf16_round(float f) { return bf16_value(bf16_bits(f)); }
-
-void expect_error(const std::function<void()>& fn, const std::string& needle) {
-  try {
-    fn();
-    ADD_FAILURE() << "no fp4moe::Error thrown; expected one containing '" << needle << "'";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos)
-        << "message '" << e.what() << "' lacks '" << needle << "'";
-  }
-}
 
 // e2m1 code of a value of {0, 0.5, 1, 1.5, 2, 3, 4, 6} and their negatives.
 uint8_t e2m1_code(float v) {

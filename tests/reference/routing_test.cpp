@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "error_message.hpp"
 #include "fp4moe/error.hpp"
 #include "fp4moe/reference.hpp"
 
@@ -42,16 +43,6 @@ Routing route1(const RoutingParams& p, const std::vector<float>& logits,
 void expect_rel(float actual, double expected, const char* what = "") {
   EXPECT_LE(std::fabs(static_cast<double>(actual) - expected), 1e-6 * std::fabs(expected))
       << what << " actual " << actual << " expected " << expected;
-}
-
-void expect_error(const std::function<void()>& fn, const std::string& needle) {
-  try {
-    fn();
-    ADD_FAILURE() << "no fp4moe::Error thrown; expected one containing '" << needle << "'";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos)
-        << "message '" << e.what() << "' lacks '" << needle << "'";
-  }
 }
 
 // ---- default -------------------------------------------------------------------------------------
