@@ -23,23 +23,18 @@
 #include "fp4moe/format.hpp"
 #include "fp4moe/reference.hpp"
 #include "fp4moe/runner.hpp"
+#include "runner/device_buffer.hpp"
 
 namespace fp4moe {
 namespace {
 
-void ck(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) throw Error(detail::concat("bench: ", what, ": ", cudaGetErrorString(e)));
-}
+void ck(cudaError_t e, const char* what) { throw_on_cuda_error(e, "bench", what); }
 void ck(cublasStatus_t s, const char* what) {
   if (s != CUBLAS_STATUS_SUCCESS) throw Error(detail::concat("bench: ", what, ": cuBLAS status ", int(s)));
 }
 
-struct Buffer {
-  void* ptr = nullptr;
-  explicit Buffer(size_t bytes) { ck(cudaMalloc(&ptr, bytes ? bytes : 1), "cudaMalloc"); }
-  ~Buffer() { cudaFree(ptr); }
-  Buffer(const Buffer&) = delete;
-  Buffer& operator=(const Buffer&) = delete;
+struct Buffer : DeviceBuffer {
+  explicit Buffer(size_t bytes) : DeviceBuffer(bytes, "bench") {}
 };
 
 struct Events {

@@ -5,23 +5,16 @@
 
 #include "fp4moe/format.hpp"
 #include "fp4moe/runner.hpp"
+#include "runner/device_buffer.hpp"
 
 namespace fp4moe {
 namespace {
 
-void cuda_check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) throw Error(detail::concat("run_case_on_gpu: ", what, ": ", cudaGetErrorString(e)));
-}
+void cuda_check(cudaError_t e, const char* what) { throw_on_cuda_error(e, "run_case_on_gpu", what); }
 
 // Device buffer freed on scope exit.
-struct Buffer {
-  void* ptr = nullptr;
-  explicit Buffer(size_t bytes) { cuda_check(cudaMalloc(&ptr, bytes ? bytes : 1), "cudaMalloc"); }
-  ~Buffer() { cudaFree(ptr); }
-  Buffer(const Buffer&) = delete;
-  Buffer& operator=(const Buffer&) = delete;
-  template <typename T>
-  T* as() const { return static_cast<T*>(ptr); }
+struct Buffer : DeviceBuffer {
+  explicit Buffer(size_t bytes) : DeviceBuffer(bytes, "run_case_on_gpu") {}
 };
 
 template <typename T>
