@@ -1,0 +1,44 @@
+// fp4moe/tactic.hpp — how the expert GEMMs of one MoE forward are run: a plain, printable struct
+// (DESIGN.md §2: the problem says what is computed, the tactic how). One tactic serves both GEMMs of
+// a forward (they share the permutation's tile table, built for tile_tokens).
+//
+// Validity depends on the problem only, never on the token count T (tune/registry.hpp): a tactic
+// chosen for a bucket of T is valid for every T.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+namespace fp4moe {
+
+enum class GemmKernel : int {
+  // sm90 wgmma kernel: 1 producer + 2 consumer warpgroups, weights x tokens tile, cp.async ring.
+  //   tile_tokens 128: 256 weight rows per CTA; tile_tokens 256: 128 weight rows per CTA.
+  Sm90Wgmma = 0,
+  // sm90 streaming kernel for few tokens per expert: mma.sync, every warp streams its own weight rows.
+  Sm90Stream = 1,
+};
+
+struct MoeTactic {
+  GemmKernel kernel = GemmKernel::Sm90Wgmma;
+  int tile_tokens = 128;  // token rows per GEMM tile (the permutation's tile table is built for it)
+  int split_k = 1;        // CTAs along K per output tile (Sm90Stream only; 1 = none)
+
+  friend bool operator==(const MoeTactic&, const MoeTactic&) = default;
+};
+
+inline std::string_view to_string(GemmKernel k) {
+  switch (k) {
+    case GemmKernel::Sm90Wgmma: return "sm90_wgmma";
+    case GemmKernel::Sm90Stream: return "sm90_stream";
+  }
+  return "unknown";
+}
+
+// e.g. "sm90_wgmma/t128/s1"
+inline std::string describe(const MoeTactic& t) {
+  return std::string(to_string(t.kernel)) + "/t" + std::to_string(t.tile_tokens) + "/s" + std::to_string(t.split_k);
+}
+
+}  // namespace fp4moe
