@@ -2,9 +2,11 @@
 //
 //   1. Check the arguments (cudaErrorInvalidValue on anything inconsistent: shapes, the prepacked
 //      weights' shape, null or misaligned pointers).
-//   2. Grid: max_tiles token tiles x CTAs along N (GEMM1 gated: 128 intermediate columns per CTA,
-//      otherwise 256 weight rows), one dimension; CTAs past *num_tiles leave at once.
-//   3. One kernel instantiation serves GEMM1 (gated or relu2, bf16 or NVFP4 output) and GEMM2.
+//   2. The tactic picks the kernel (args.tactic: the wgmma kernel with 128- or 256-token tiles).
+//   3. Grid: max_tiles token tiles x CTAs along N (the CTA's weight rows: 256 with 128-token tiles,
+//      128 with 256-token tiles; GEMM1 gated: half of them intermediate columns), one dimension;
+//      CTAs past *num_tiles leave at once.
+//   4. One kernel instantiation per tile shape serves GEMM1 (gated or relu2, bf16 or NVFP4 output) and GEMM2.
 #include <cuda_runtime.h>
 
 #include <atomic>
@@ -19,8 +21,11 @@ namespace {
 
 bool aligned(const void* p, uintptr_t a) { return reinterpret_cast<uintptr_t>(p) % a == 0; }
 
+bool tactic_supported(const MoeTactic& t);
+
 bool common_args_valid(const ExpertGemmArgs& a) {
   const PrepackedWeights& pw = a.weights;
+  if (!tactic_supported(a.tactic)) return false;
   if (a.K <= 0 || a.K % 16 != 0 || a.N <= 0 || a.N % 16 != 0 || a.K > INT_MAX / 2 || a.N > INT_MAX / 2) return false;
   if (a.num_experts <= 0 || a.max_tiles < 0 || a.max_tiles > INT_MAX) return false;
   if (pw.num_experts != a.num_experts || pw.rows != a.N || pw.cols != a.K ||
@@ -60,8 +65,14 @@ cudaError_t configure_expert_gemm() {
   if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
   const uint64_t bit = device < 64 ? (uint64_t{1} << device) : 0;
   if (bit != 0 && (configured.load() & bit)) return cudaSuccess;
-  if (cudaError_t e = cudaFuncSetAttribute(sm90gemm::expert_gemm_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           static_cast<int>(sm90gemm::kSmemBytes));
+  if (cudaError_t e = cudaFuncSetAttribute(sm90gemm::expert_gemm_kernel<128>,
+                                           cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           static_cast<int>(sm90gemm::TileConfig<128>::kSmemBytes));
+      e != cudaSuccess)
+    return e;
+  if (cudaError_t e = cudaFuncSetAttribute(sm90gemm::expert_gemm_kernel<256>,
+                                           cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           static_cast<int>(sm90gemm::TileConfig<256>::kSmemBytes));
       e != cudaSuccess)
     return e;
   configured.fetch_or(bit);
@@ -70,22 +81,35 @@ cudaError_t configure_expert_gemm() {
 
 namespace {
 
-cudaError_t launch(const sm90gemm::Params& p, int64_t cols_per_cta, int64_t cols, cudaStream_t stream) {
-  using namespace sm90gemm;
-  if (p.max_tiles == 0) return cudaSuccess;
+// The one place where a tactic becomes a kernel instantiation.
+bool tactic_supported(const MoeTactic& t) {
+  return t.kernel == GemmKernel::Sm90Wgmma && (t.tile_tokens == 128 || t.tile_tokens == 256) && t.split_k == 1;
+}
+
+template <int TileTokens>
+cudaError_t launch_wgmma(const sm90gemm::Params& p, bool gated_gemm1, int64_t cols, cudaStream_t stream) {
+  using C = sm90gemm::TileConfig<TileTokens>;
+  const int64_t cols_per_cta = gated_gemm1 ? C::kBlockN / 2 : C::kBlockN;
   const int64_t n_ctas = (cols + cols_per_cta - 1) / cols_per_cta;
   const int64_t ctas = static_cast<int64_t>(p.max_tiles) * n_ctas;
   if (ctas > INT_MAX) return cudaErrorInvalidConfiguration;
   sm90gemm::Params q = p;
   q.n_ctas = static_cast<int>(n_ctas);
   if (cudaError_t e = configure_expert_gemm(); e != cudaSuccess) return e;
-  expert_gemm_kernel<<<static_cast<unsigned>(ctas), kThreads, kSmemBytes, stream>>>(q);
+  sm90gemm::expert_gemm_kernel<TileTokens><<<static_cast<unsigned>(ctas), sm90gemm::kThreads, C::kSmemBytes, stream>>>(q);
   return cudaGetLastError();
+}
+
+cudaError_t launch(const sm90gemm::Params& p, const MoeTactic& t, bool gated_gemm1, int64_t cols, cudaStream_t stream) {
+  if (p.max_tiles == 0) return cudaSuccess;
+  return t.tile_tokens == 256 ? launch_wgmma<256>(p, gated_gemm1, cols, stream)
+                              : launch_wgmma<128>(p, gated_gemm1, cols, stream);
 }
 
 }  // namespace
 
-int gemm_tile_rows() { return sm90gemm::kTileRows; }
+int gemm_tile_rows() { return sm90gemm::TileConfig<128>::kTileRows; }
+int gemm_tile_rows(const MoeTactic& t) { return t.tile_tokens; }
 
 cudaError_t launch_gemm1_act(const Gemm1Args& args, cudaStream_t stream) {
   if (!common_args_valid(args)) return cudaErrorInvalidValue;
@@ -104,7 +128,7 @@ cudaError_t launch_gemm1_act(const Gemm1Args& args, cudaStream_t stream) {
   p.act_scale = args.act_scale;
   p.act_out = args.act;
   p.out_cols = static_cast<int>(I);
-  return launch(p, gated ? sm90gemm::kBlockN / 2 : sm90gemm::kBlockN, I, stream);
+  return launch(p, args.tactic, gated, I, stream);
 }
 
 cudaError_t launch_gemm2(const Gemm2Args& args, cudaStream_t stream) {
@@ -118,7 +142,7 @@ cudaError_t launch_gemm2(const Gemm2Args& args, cudaStream_t stream) {
   p.out = args.out;
   p.out_weights = args.out_weights;
   p.out_cols = static_cast<int>(args.N);
-  return launch(p, sm90gemm::kBlockN, args.N, stream);
+  return launch(p, args.tactic, false, args.N, stream);
 }
 
 }  // namespace fp4moe::kernels

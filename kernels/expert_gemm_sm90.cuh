@@ -45,10 +45,6 @@
 
 namespace fp4moe::kernels::sm90gemm {
 
-inline constexpr int kTileRows = 128;         // token rows per tile (gemm_tile_rows())
-inline constexpr int kBlockN = 256;           // weight rows per CTA
-inline constexpr int kSlots = kBlockN / 8;    // row groups per CTA
-inline constexpr int kStages = 4;
 inline constexpr int kConsumerThreads = 256;  // two warpgroups
 inline constexpr int kProducerThreads = 128;  // one warpgroup (register reallocation is per warpgroup)
 inline constexpr int kThreads = kConsumerThreads + kProducerThreads;
@@ -60,17 +56,39 @@ inline constexpr int kLaunchRegs = 168;
 static_assert(kProducerThreads * kProducerRegs + kConsumerThreads * kConsumerRegs <= kThreads * kLaunchRegs,
               "the register reallocation must fit the CTA's launch allocation");
 inline constexpr int kRasterGroup = 8;        // token tiles per raster group (L2 reuse of weights)
-inline constexpr int kSlabBytes = kTileRows * 128;                          // 64 K of 128 tokens
-inline constexpr int kActBytes = 2 * kSlabBytes;                            // 32 KiB
-inline constexpr int kWeightBytes = kSlots * fp4layout::kChunkBytes;        // 16 KiB
-inline constexpr int kScaleBytes = kSlots * fp4layout::kChunkScaleBytes;    // 2 KiB
-inline constexpr int kStageBytes = kActBytes + kWeightBytes + kScaleBytes;  // 50 KiB, 1024-aligned
-inline constexpr int kStagingStride = 136;  // floats per row of the GEMM1 staging tile (conflict-free)
-inline constexpr int kBarrierOffset = kStages * kStageBytes;
-inline constexpr int kTokenEntryOffset = kBarrierOffset + 2 * kStages * 8;
-inline constexpr size_t kSmemBytes = 1024 + kTokenEntryOffset + kTileRows * 4;
-static_assert(kStageBytes % 1024 == 0, "swizzled activation slabs need 1024-byte alignment");
-static_assert(256 * kStagingStride * 4 <= kStages * kStageBytes, "GEMM1 staging must fit the ring");
+inline constexpr int kMaxSmemBytes = 232448;  // sm_90 opt-in limit per CTA (227 KiB)
+
+// The two tile shapes (MoeTactic::tile_tokens). Both keep 64 x kTileRows accumulators per m64 block
+// and 128 accumulator registers per consumer thread:
+//   128 tokens: 256 weight rows per CTA, 2 m64 blocks per consumer warpgroup, 4 stages of 50 KiB.
+//   256 tokens: 128 weight rows per CTA, 1 m64 block per warpgroup (m64n256 wgmma), 3 stages of 73 KiB;
+//               each decoded A fragment feeds twice the tokens (half the decode per flop).
+template <int TileTokens>
+struct TileConfig {
+  static_assert(TileTokens == 128 || TileTokens == 256, "tile_tokens is 128 or 256");
+  static constexpr int kTileRows = TileTokens;                   // token rows per tile
+  static constexpr int kBlocks = TileTokens == 128 ? 2 : 1;      // m64 blocks per consumer warpgroup
+  static constexpr int kBlockN = 128 * kBlocks;                  // weight rows per CTA
+  static constexpr int kSlots = kBlockN / 8;                     // row groups per CTA
+  static constexpr int kStages = TileTokens == 128 ? 4 : 3;
+  static constexpr int kAcc = TileTokens / 2;                    // accumulators per thread per block
+  static constexpr int kSlabBytes = kTileRows * 128;             // 64 K of kTileRows tokens
+  static constexpr int kActBytes = 2 * kSlabBytes;
+  static constexpr int kWeightBytes = kSlots * fp4layout::kChunkBytes;
+  static constexpr int kScaleBytes = kSlots * fp4layout::kChunkScaleBytes;
+  static constexpr int kStageBytes = kActBytes + kWeightBytes + kScaleBytes;  // 50 / 73 KiB
+  static constexpr int kStagingStride = kTileRows + 8;  // floats per staging row (float2 stores conflict-free)
+  static constexpr int kBarrierOffset = kStages * kStageBytes;
+  static constexpr int kTokenEntryOffset = kBarrierOffset + 2 * kStages * 8;
+  static constexpr size_t kSmemBytes = 1024 + kTokenEntryOffset + kTileRows * 4;
+  static_assert(kStageBytes % 1024 == 0, "swizzled activation slabs need 1024-byte alignment");
+  static_assert(kBlockN * kStagingStride * 4 <= kStages * kStageBytes, "GEMM1 staging must fit the ring");
+  static_assert(kStagingStride % 32 == 8, "float2 staging stores: 16 lanes per phase on distinct banks");
+  static_assert(kSmemBytes <= kMaxSmemBytes, "shared memory budget");
+  static_assert(kBlocks * kAcc == 128, "128 accumulator registers per consumer thread");
+  static_assert(kSlots * 32 % kProducerThreads == 0, "weight copies split evenly over the producer");
+  static_assert(kSlots * 4 <= kProducerThreads, "one scale copy per producer thread at most");
+};
 
 enum class Epilogue : int { Gemm1Gated = 0, Gemm1Plain = 1, Gemm2 = 2 };
 
@@ -184,7 +202,8 @@ __device__ __forceinline__ uint64_t make_desc_sw128(uint32_t addr) {
 
 // ---- wgmma m64nNk16, A from registers (bf16), f32 accumulators ---------------------------------
 // D[64 x 8] += A[64 x 16] (registers) * B[16 x 8] (shared memory, K-major, 128B swizzle)
-__device__ __forceinline__ void wgmma_m64n8k16(float (&d)[64], const uint32_t (&a)[4], uint64_t desc_b) {
+template <int ACC>
+__device__ __forceinline__ void wgmma_m64n8k16(float (&d)[ACC], const uint32_t (&a)[4], uint64_t desc_b) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %9, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 "
@@ -196,7 +215,8 @@ __device__ __forceinline__ void wgmma_m64n8k16(float (&d)[64], const uint32_t (&
 }
 
 // D[64 x 16] += A[64 x 16] (registers) * B[16 x 16] (shared memory, K-major, 128B swizzle)
-__device__ __forceinline__ void wgmma_m64n16k16(float (&d)[64], const uint32_t (&a)[4], uint64_t desc_b) {
+template <int ACC>
+__device__ __forceinline__ void wgmma_m64n16k16(float (&d)[ACC], const uint32_t (&a)[4], uint64_t desc_b) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 "
@@ -208,7 +228,8 @@ __device__ __forceinline__ void wgmma_m64n16k16(float (&d)[64], const uint32_t (
 }
 
 // D[64 x 32] += A[64 x 16] (registers) * B[16 x 32] (shared memory, K-major, 128B swizzle)
-__device__ __forceinline__ void wgmma_m64n32k16(float (&d)[64], const uint32_t (&a)[4], uint64_t desc_b) {
+template <int ACC>
+__device__ __forceinline__ void wgmma_m64n32k16(float (&d)[ACC], const uint32_t (&a)[4], uint64_t desc_b) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
@@ -221,7 +242,8 @@ __device__ __forceinline__ void wgmma_m64n32k16(float (&d)[64], const uint32_t (
 }
 
 // D[64 x 64] += A[64 x 16] (registers) * B[16 x 64] (shared memory, K-major, 128B swizzle)
-__device__ __forceinline__ void wgmma_m64n64k16(float (&d)[64], const uint32_t (&a)[4], uint64_t desc_b) {
+template <int ACC>
+__device__ __forceinline__ void wgmma_m64n64k16(float (&d)[ACC], const uint32_t (&a)[4], uint64_t desc_b) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
@@ -237,7 +259,8 @@ __device__ __forceinline__ void wgmma_m64n64k16(float (&d)[64], const uint32_t (
 }
 
 // D[64 x 128] += A[64 x 16] (registers) * B[16 x 128] (shared memory, K-major, 128B swizzle)
-__device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], const uint32_t (&a)[4], uint64_t desc_b) {
+template <int ACC>
+__device__ __forceinline__ void wgmma_m64n128k16(float (&d)[ACC], const uint32_t (&a)[4], uint64_t desc_b) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
@@ -258,13 +281,27 @@ __device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], const uint32_t 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
 }
 
-template <int NT>
-__device__ __forceinline__ void wgmma_tile(float (&d)[64], const uint32_t (&a)[4], uint64_t desc_b) {
+// D[64 x 256] += A[64 x 16] (registers) * B[16 x 256] (shared memory, K-major, 128B swizzle)
+template <int ACC>
+__device__ __forceinline__ void wgmma_m64n256k16(float (&d)[ACC], const uint32_t (&a)[4], uint64_t desc_b) {
+  static_assert(ACC >= 128, "m64n256 needs 128 accumulators per thread");
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, {%128, %129, %130, %131}, %132, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
+}
+
+template <int NT, int ACC>
+__device__ __forceinline__ void wgmma_tile(float (&d)[ACC], const uint32_t (&a)[4], uint64_t desc_b) {
+  static_assert(NT / 2 <= ACC, "accumulator array too small for the wgmma width");
   if constexpr (NT == 8) wgmma_m64n8k16(d, a, desc_b);
   else if constexpr (NT == 16) wgmma_m64n16k16(d, a, desc_b);
   else if constexpr (NT == 32) wgmma_m64n32k16(d, a, desc_b);
   else if constexpr (NT == 64) wgmma_m64n64k16(d, a, desc_b);
-  else wgmma_m64n128k16(d, a, desc_b);
+  else if constexpr (NT == 128) wgmma_m64n128k16(d, a, desc_b);
+  else wgmma_m64n256k16(d, a, desc_b);
 }
 
 // ---- decode -------------------------------------------------------------------------------------------
@@ -288,22 +325,23 @@ __device__ __forceinline__ uint32_t word_of(const uint4& v, int q) {
 // and word-0 decode are done while the stage's last two groups run.
 // NOTE: keeping a register-A wgmma in flight across the loop's back edge makes ptxas serialise every
 // wgmma (C7513), so the loop body holds two stages and drains (wait_group 0) once per pair.
-template <int NT>
+template <class C, int NT>
 __device__ __forceinline__ void consumer_mainloop(const Params& p, uint8_t* smem, uint32_t bar_base,
-                                                  float (&acc)[2][64]) {
+                                                  float (&acc)[C::kBlocks][C::kAcc]) {
+  constexpr int kStages = C::kStages, kB = C::kBlocks;
   const int ctid = threadIdx.x;
   const int wg = ctid / 128, warp = (ctid / 32) % 4, lane = ctid % 32, g = lane / 4;
-  uint4 wa[2], wb[2];
-  uint2 sa[2], sb[2];
+  uint4 wa[kB], wb[kB];
+  uint2 sa[kB], sb[kB];
   // Waits for stage kt's data and loads this thread's weight words and scale codes of it.
   auto load_stage = [&](int kt) {
     const int s = kt % kStages;
     mbar_wait(bar_base + 8 * s, (kt / kStages) & 1);
-    const uint32_t wsm = smem_addr(smem) + s * kStageBytes + kActBytes;
-    const uint32_t ssm = wsm + kWeightBytes;
+    const uint32_t wsm = smem_addr(smem) + s * C::kStageBytes + C::kActBytes;
+    const uint32_t ssm = wsm + C::kWeightBytes;
 #pragma unroll
-    for (int b = 0; b < 2; ++b) {
-      const int mt = wg * 8 + b * 4 + warp;  // rows g from slot 2mt, rows g+8 from slot 2mt+1
+    for (int b = 0; b < kB; ++b) {
+      const int mt = wg * 4 * kB + b * 4 + warp;  // rows g from slot 2mt, rows g+8 from slot 2mt+1
       wa[b] = lds128(wsm + (2 * mt) * fp4layout::kChunkBytes + lane * 16);
       wb[b] = lds128(wsm + (2 * mt + 1) * fp4layout::kChunkBytes + lane * 16);
       sa[b] = lds64(ssm + (2 * mt) * fp4layout::kChunkScaleBytes + g * 8);
@@ -311,9 +349,9 @@ __device__ __forceinline__ void consumer_mainloop(const Params& p, uint8_t* smem
     }
   };
   // Fragments of word q: f[k16 step of the pair][block][register].
-  auto decode = [&](int q, uint32_t (&f)[2][2][4]) {
+  auto decode = [&](int q, uint32_t (&f)[2][kB][4]) {
 #pragma unroll
-    for (int b = 0; b < 2; ++b) {
+    for (int b = 0; b < kB; ++b) {
       const uint32_t sca = fp4layout::decode_scale_pair(q < 2 ? sa[b].x : sa[b].y, q & 1);
       const uint32_t scb = fp4layout::decode_scale_pair(q < 2 ? sb[b].x : sb[b].y, q & 1);
       uint32_t da[4], db[4];
@@ -331,20 +369,20 @@ __device__ __forceinline__ void consumer_mainloop(const Params& p, uint8_t* smem
       f[1][b][3] = bf16x2_mul_hi(db[3], scb);
     }
   };
-  uint32_t frag0[2][2][4];     // word 0 (decoded ahead, at the end of the previous stage)
-  uint32_t frag[2][2][2][4];   // words 1..3: buffer q & 1
+  uint32_t frag0[2][kB][4];     // word 0 (decoded ahead, at the end of the previous stage)
+  uint32_t frag[2][2][kB][4];   // words 1..3: buffer q & 1
   // One wgmma group: the two k16 steps of word q of stage kt, both blocks.
-  auto issue = [&](int kt, int q, const uint32_t (&f)[2][2][4]) {
+  auto issue = [&](int kt, int q, const uint32_t (&f)[2][kB][4]) {
     // The descriptor's start address field is (address >> 4) and the ring lies below 2^18 bytes, so a
     // k16 step's descriptor is the stage's plus (offset >> 4): one add instead of a rebuild.
-    const uint64_t desc0 = make_desc_sw128(smem_addr(smem) + (kt % kStages) * kStageBytes);
+    const uint64_t desc0 = make_desc_sw128(smem_addr(smem) + (kt % kStages) * C::kStageBytes);
     wgmma_fence();
 #pragma unroll
     for (int st = 0; st < 2; ++st) {
       const int step = 2 * q + st;  // k16 step of the chunk: slab step/4, 32 bytes per step inside it
-      const uint64_t desc = desc0 + static_cast<uint64_t>(((step / 4) * kSlabBytes + (step % 4) * 32) >> 4);
+      const uint64_t desc = desc0 + static_cast<uint64_t>(((step / 4) * C::kSlabBytes + (step % 4) * 32) >> 4);
 #pragma unroll
-      for (int b = 0; b < 2; ++b) wgmma_tile<NT>(acc[b], f[st][b], desc);
+      for (int b = 0; b < kB; ++b) wgmma_tile<NT>(acc[b], f[st][b], desc);
     }
     wgmma_commit();
   };
@@ -384,14 +422,16 @@ __device__ __forceinline__ void consumer_mainloop(const Params& p, uint8_t* smem
     }
   }
 #pragma unroll
-  for (int b = 0; b < 2; ++b)
+  for (int b = 0; b < kB; ++b)
 #pragma unroll
-    for (int i = 0; i < 64; ++i) fence_operand(acc[b][i]);
+    for (int i = 0; i < C::kAcc; ++i) fence_operand(acc[b][i]);
 }
 
 // Producer (one warpgroup, pt = 0..127): cp.async of every K chunk into the ring.
+template <class C>
 __device__ __forceinline__ void producer(const Params& p, uint8_t* smem, uint32_t bar_base, int expert,
                                          int ntile, int64_t row_start, int valid_rows) {
+  constexpr int kStages = C::kStages, kSlots = C::kSlots;
   const int pt = threadIdx.x - kConsumerThreads;
   const bool gated = p.epilogue == Epilogue::Gemm1Gated;
   const int half_groups = p.groups / 2;
@@ -413,18 +453,18 @@ __device__ __forceinline__ void producer(const Params& p, uint8_t* smem, uint32_
   for (int kt = 0; kt < p.chunks; ++kt) {
     const int s = kt % kStages;
     if (kt >= kStages) mbar_wait(bar_base + 8 * (kStages + s), ((kt / kStages) - 1) & 1);
-    const uint32_t act_base = smem_addr(smem) + s * kStageBytes;
-    const uint32_t w_base = act_base + kActBytes;
-    const uint32_t s_base = w_base + kWeightBytes;
+    const uint32_t act_base = smem_addr(smem) + s * C::kStageBytes;
+    const uint32_t w_base = act_base + C::kActBytes;
+    const uint32_t s_base = w_base + C::kWeightBytes;
 #pragma unroll 1
-    for (int i = 0; i < kSlots * 32 / kProducerThreads; ++i) {  // weights: 32 slots x 32 x 16 B
+    for (int i = 0; i < kSlots * 32 / kProducerThreads; ++i) {  // weights: kSlots x 32 x 16 B
       const int c = pt + kProducerThreads * i, slot = c / 32, part = c % 32;
       const int grp = slot_group(slot);
       if (grp < 0) continue;
       const uint8_t* src = w_expert + (static_cast<int64_t>(grp) * p.chunks + kt) * fp4layout::kChunkBytes;
       cp_async16(w_base + slot * fp4layout::kChunkBytes + part * 16, src + part * 16, 16);
     }
-    {  // scales: 32 slots x 4 x 16 B
+    if (pt < kSlots * 4) {  // scales: kSlots x 4 x 16 B
       const int slot = pt / 4, part = pt % 4;
       const int grp = slot_group(slot);
       if (grp >= 0) {
@@ -436,7 +476,7 @@ __device__ __forceinline__ void producer(const Params& p, uint8_t* smem, uint32_
     const bool kvalid = kcol < p.K;  // K % 16 == 0, so a chunk is wholly inside or outside
     for (int r = pt / 16; r < valid_rows; r += kProducerThreads / 16) {
       const __nv_bfloat16* src = p.a + (row_start + r) * static_cast<int64_t>(p.K) + (kvalid ? kcol : 0);
-      const uint32_t dst = act_base + (cc / 8) * kSlabBytes + r * 128 + (((cc % 8) ^ (r % 8)) << 4);
+      const uint32_t dst = act_base + (cc / 8) * C::kSlabBytes + r * 128 + (((cc % 8) ^ (r % 8)) << 4);
       cp_async16(dst, src, kvalid ? 16u : 0u);
     }
     cp_async_commit();
@@ -496,12 +536,13 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
 // GEMM1 epilogue items: item = (token, 16 consecutive output columns) of the staged tile; all 16 (32
 // when gated) staged values are loaded first, then the activation and (w4a4) the re-quantization.
 // Gated kinds read gate column i at staging row i and up at row 128 + i; relu2 reads row i.
-template <Activation K>
+template <class C, Activation K>
 __device__ __forceinline__ void gemm1_items(const Params& p, const float* stg, int64_t out_base, int items,
                                             int valid_rows, float gs, float inv_gs) {
   constexpr bool kGated = K != Activation::Relu2;
   for (int item = threadIdx.x; item < items; item += kConsumerThreads) {
     const int tok = item % valid_rows, blk = item / valid_rows;
+    constexpr int kStagingStride = C::kStagingStride;
     const uint32_t src = smem_addr(stg + (blk * 16) * kStagingStride + tok);
     float h[16], u[16], x[16];
     // NOTE: volatile loads, all issued before any math: plain loads were sunk next to each element's
@@ -509,7 +550,7 @@ __device__ __forceinline__ void gemm1_items(const Params& p, const float* stg, i
 #pragma unroll
     for (int i = 0; i < 16; ++i) {
       h[i] = lds_f32(src + i * kStagingStride * 4);
-      u[i] = kGated ? lds_f32(src + (kBlockN / 2 + i) * kStagingStride * 4) : 0.0f;
+      u[i] = kGated ? lds_f32(src + (C::kBlockN / 2 + i) * kStagingStride * 4) : 0.0f;
     }
     float den[16];
 #pragma unroll
@@ -532,7 +573,11 @@ __device__ __forceinline__ void gemm1_items(const Params& p, const float* stg, i
   }
 }
 
+template <int TileTokens>
 __global__ void __launch_bounds__(kThreads, 1) expert_gemm_kernel(const Params p) {
+  using C = TileConfig<TileTokens>;
+  constexpr int kTileRows = C::kTileRows, kBlockN = C::kBlockN, kStages = C::kStages, kB = C::kBlocks;
+  constexpr int kStagingStride = C::kStagingStride;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);  // 1024-aligned, still shared
 
@@ -551,8 +596,8 @@ __global__ void __launch_bounds__(kThreads, 1) expert_gemm_kernel(const Params p
   const int valid_rows = static_cast<int>(min(static_cast<int64_t>(kTileRows), p.expert_offsets[expert + 1] - row_start));
   if (valid_rows <= 0) return;
 
-  const uint32_t bar_base = smem_addr(smem + kBarrierOffset);  // full[s] at 8s, empty[s] at 8(kStages+s)
-  int32_t* tok_entry = reinterpret_cast<int32_t*>(smem + kTokenEntryOffset);
+  const uint32_t bar_base = smem_addr(smem + C::kBarrierOffset);  // full[s] at 8s, empty[s] at 8(kStages+s)
+  int32_t* tok_entry = reinterpret_cast<int32_t*>(smem + C::kTokenEntryOffset);
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
       mbar_init(bar_base + 8 * s, kProducerThreads);                  // the producer threads' arrivals
@@ -563,7 +608,7 @@ __global__ void __launch_bounds__(kThreads, 1) expert_gemm_kernel(const Params p
 
   if (threadIdx.x >= kConsumerThreads) {
     setmaxnreg_dec<kProducerRegs>();
-    producer(p, smem, bar_base, expert, ntile, row_start, valid_rows);
+    producer<C>(p, smem, bar_base, expert, ntile, row_start, valid_rows);
     return;
   }
   setmaxnreg_inc<kConsumerRegs>();
@@ -572,16 +617,23 @@ __global__ void __launch_bounds__(kThreads, 1) expert_gemm_kernel(const Params p
   if (p.epilogue == Epilogue::Gemm2)
     for (int i = ctid; i < valid_rows; i += kConsumerThreads) tok_entry[i] = p.row_to_entry[row_start + i];
 
-  float acc[2][64];
+  float acc[kB][C::kAcc];
 #pragma unroll
-  for (int b = 0; b < 2; ++b)
+  for (int b = 0; b < kB; ++b)
 #pragma unroll
-    for (int i = 0; i < 64; ++i) acc[b][i] = 0.0f;
-  if (valid_rows <= 8) consumer_mainloop<8>(p, smem, bar_base, acc);
-  else if (valid_rows <= 16) consumer_mainloop<16>(p, smem, bar_base, acc);
-  else if (valid_rows <= 32) consumer_mainloop<32>(p, smem, bar_base, acc);
-  else if (valid_rows <= 64) consumer_mainloop<64>(p, smem, bar_base, acc);
-  else consumer_mainloop<128>(p, smem, bar_base, acc);
+    for (int i = 0; i < C::kAcc; ++i) acc[b][i] = 0.0f;
+  // N of the wgmma: the smallest width (of a few, to keep instantiations few) covering the valid rows.
+  if constexpr (TileTokens == 128) {
+    if (valid_rows <= 8) consumer_mainloop<C, 8>(p, smem, bar_base, acc);
+    else if (valid_rows <= 16) consumer_mainloop<C, 16>(p, smem, bar_base, acc);
+    else if (valid_rows <= 32) consumer_mainloop<C, 32>(p, smem, bar_base, acc);
+    else if (valid_rows <= 64) consumer_mainloop<C, 64>(p, smem, bar_base, acc);
+    else consumer_mainloop<C, 128>(p, smem, bar_base, acc);
+  } else {
+    if (valid_rows <= 64) consumer_mainloop<C, 64>(p, smem, bar_base, acc);
+    else if (valid_rows <= 128) consumer_mainloop<C, 128>(p, smem, bar_base, acc);
+    else consumer_mainloop<C, 256>(p, smem, bar_base, acc);
+  }
 
   const int wg = ctid / 128, warp = (ctid / 32) % 4, lane = ctid % 32, g = lane / 4, t = lane % 4;
   const float alpha = p.alpha[expert];
@@ -590,11 +642,11 @@ __global__ void __launch_bounds__(kThreads, 1) expert_gemm_kernel(const Params p
 
   if (p.epilogue == Epilogue::Gemm2) {
 #pragma unroll
-    for (int b = 0; b < 2; ++b) {
-      const int mt = wg * 8 + b * 4 + warp;
+    for (int b = 0; b < kB; ++b) {
+      const int mt = wg * 4 * kB + b * 4 + warp;
       const int n_lo = ntile * kBlockN + 16 * mt + g;
 #pragma unroll
-      for (int j = 0; j < 16; ++j) {
+      for (int j = 0; j < kTileRows / 8; ++j) {
         if (j >= jmax) break;
 #pragma unroll
         for (int r = 0; r < 4; ++r) {
@@ -621,12 +673,12 @@ __global__ void __launch_bounds__(kThreads, 1) expert_gemm_kernel(const Params p
   float* stg = reinterpret_cast<float*>(smem);
   const bool gated = p.epilogue == Epilogue::Gemm1Gated;
 #pragma unroll
-  for (int b = 0; b < 2; ++b) {
-    const int mt = wg * 8 + b * 4 + warp;
+  for (int b = 0; b < kB; ++b) {
+    const int mt = wg * 4 * kB + b * 4 + warp;
     const int row_g = gated ? 8 * mt + g : 16 * mt + g;            // rows g of the m16 tile
     const int row_g8 = gated ? kBlockN / 2 + 8 * mt + g : 16 * mt + g + 8;  // rows g+8
 #pragma unroll
-    for (int j = 0; j < 16; ++j) {
+    for (int j = 0; j < kTileRows / 8; ++j) {
       if (j >= jmax) break;
       const int tok = 8 * j + 2 * t;
       *reinterpret_cast<float2*>(stg + row_g * kStagingStride + tok) =
@@ -649,16 +701,16 @@ __global__ void __launch_bounds__(kThreads, 1) expert_gemm_kernel(const Params p
   const int64_t out_base = row_start * static_cast<int64_t>(p.out_cols) + i0;
   switch (p.act.kind) {
     case Activation::SwiGLU:
-      gemm1_items<Activation::SwiGLU>(p, stg, out_base, items, valid_rows, gs, inv_gs);
+      gemm1_items<C, Activation::SwiGLU>(p, stg, out_base, items, valid_rows, gs, inv_gs);
       break;
     case Activation::GeGLU:
-      gemm1_items<Activation::GeGLU>(p, stg, out_base, items, valid_rows, gs, inv_gs);
+      gemm1_items<C, Activation::GeGLU>(p, stg, out_base, items, valid_rows, gs, inv_gs);
       break;
     case Activation::SwiGLUOai:
-      gemm1_items<Activation::SwiGLUOai>(p, stg, out_base, items, valid_rows, gs, inv_gs);
+      gemm1_items<C, Activation::SwiGLUOai>(p, stg, out_base, items, valid_rows, gs, inv_gs);
       break;
     default:
-      gemm1_items<Activation::Relu2>(p, stg, out_base, items, valid_rows, gs, inv_gs);
+      gemm1_items<C, Activation::Relu2>(p, stg, out_base, items, valid_rows, gs, inv_gs);
       break;
   }
 }

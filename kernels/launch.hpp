@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "fp4moe/problem.hpp"
+#include "fp4moe/tactic.hpp"
 
 namespace fp4moe::kernels {
 
@@ -133,13 +134,16 @@ struct ExpertGemmArgs {
   int num_experts = 0;
   int64_t K = 0;                          // reduction size (H for GEMM1, I for GEMM2)
   int64_t N = 0;                          // weight rows (w13_rows for GEMM1, H for GEMM2)
+  MoeTactic tactic;                       // which kernel; the tile table is built for its tile_tokens
 };
 // One-time per-device setup of the GEMM kernels (shared-memory opt-in). The launchers call it too,
 // but a caller that captures CUDA graphs calls it before capturing (MoeRunner::prepare_weights does).
 cudaError_t configure_expert_gemm();
 
-// Token rows per GEMM tile: the tile table passed to the GEMMs must be built with this.
+// Token rows per GEMM tile: the tile table passed to the GEMMs must be built with this
+// (gemm_tile_rows() is the default tactic's).
 int gemm_tile_rows();
+int gemm_tile_rows(const MoeTactic& tactic);
 
 struct Gemm1Args : ExpertGemmArgs {
   ActivationParams activation;            // gated: w rows [gate (I); up (I)]; relu2: I rows

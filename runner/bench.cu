@@ -167,6 +167,7 @@ std::vector<BenchRow> bench_weights(const std::string& model, const MoeProblem& 
 
   auto runner = MoeRunner::create(p, max_t);
   if (Status s = runner->prepare_weights(weights); !s.ok()) throw Error(s.message);
+  runner->force_tactic(opt.tactic);
 
   cudaStream_t stream;
   ck(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
@@ -220,6 +221,7 @@ std::vector<BenchRow> bench_weights(const std::string& model, const MoeProblem& 
     row.model = model;
     row.mode = p.act_quant;
     row.tokens = T;
+    row.tactic = describe(runner->tactic_for(T));
     {
       std::vector<int32_t> got(T * k);
       ck(cudaMemcpy(got.data(), ids.ptr, got.size() * 4, cudaMemcpyDeviceToHost), "download ids");

@@ -55,6 +55,9 @@ class DeviceBytes {
   void* ptr_ = nullptr;
 };
 
+// Smallest tile of any tactic: the tile table is sized for it.
+constexpr int kMinTileRows = 16;
+
 // Offsets of the workspace regions for a given max token count.
 struct WorkspacePlan {
   size_t expert_offsets, row_to_entry, entry_to_row, tile_expert, tile_row_start, num_tiles;
@@ -64,7 +67,7 @@ struct WorkspacePlan {
 
   WorkspacePlan(const MoeProblem& p, int64_t max_tokens) {
     const int64_t entries = max_tokens * p.top_k();
-    max_tiles = kernels::max_tiles(entries, p.num_experts, kernels::gemm_tile_rows());
+    max_tiles = kernels::max_tiles(entries, p.num_experts, kMinTileRows);
     size_t at = 0;
     auto take = [&at](size_t bytes) { size_t here = at; at += align_up(bytes); return here; };
     expert_offsets = take(sizeof(int32_t) * (p.num_experts + 1));
@@ -300,7 +303,8 @@ Status GpuMoeRunner::run(cudaStream_t stream, const ForwardArgs& a, bool routed,
   pa.num_tokens = T;
   pa.top_k = k;
   pa.num_experts = E;
-  pa.tile_rows = kernels::gemm_tile_rows();
+  const MoeTactic tactic = tactic_for(T);
+  pa.tile_rows = kernels::gemm_tile_rows(tactic);
   pa.expert_offsets = region<int32_t>(ws, plan.expert_offsets);
   pa.row_to_entry = region<int32_t>(ws, plan.row_to_entry);
   pa.entry_to_row = region<int32_t>(ws, plan.entry_to_row);
@@ -325,7 +329,7 @@ Status GpuMoeRunner::run(cudaStream_t stream, const ForwardArgs& a, bool routed,
   g.a1 = region<__nv_bfloat16>(ws, plan.a1);
   FP4MOE_LAUNCH(3, "gather_quantize", kernels::launch_gather_quantize(g, stream));
 
-  const int64_t tiles = kernels::max_tiles(entries, E, kernels::gemm_tile_rows());
+  const int64_t tiles = kernels::max_tiles(entries, E, pa.tile_rows);
   auto common = [&](kernels::ExpertGemmArgs& x, const kernels::PrepackedWeights& pw, const DeviceBytes& wb,
                     const DeviceBytes& sb, const DeviceBytes& alpha, int64_t K, int64_t N) {
     x.w = wb.as<uint8_t>();
@@ -340,6 +344,7 @@ Status GpuMoeRunner::run(cudaStream_t stream, const ForwardArgs& a, bool routed,
     x.num_experts = E;
     x.K = K;
     x.N = N;
+    x.tactic = tactic;
   };
   kernels::Gemm1Args g1;
   common(g1, w13_, w13_bytes_, w13_scale_bytes_, alpha1_, p.hidden, p.w13_rows());

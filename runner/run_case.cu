@@ -24,11 +24,12 @@ void upload(Buffer& b, const std::vector<T>& v) {
 
 }  // namespace
 
-reference::MoeResult run_case_on_gpu(const io::MoeCase& c, double* ms) {
+reference::MoeResult run_case_on_gpu(const io::MoeCase& c, double* ms, std::optional<MoeTactic> tactic) {
   const MoeProblem& p = c.problem;
   const int64_t T = c.num_tokens, k = p.top_k();
   const bool routed = p.routing.method == RoutingMethod::Precomputed;
   auto runner = MoeRunner::create(p, T);
+  runner->force_tactic(tactic);
   if (Status s = runner->prepare_weights(c.weights()); !s.ok()) throw Error(s.message);
 
   Buffer hidden(c.hidden_states.size() * 2), logits(c.router_logits.size() * 4), bias(c.routing_bias.size() * 4);

@@ -53,6 +53,7 @@ void add_bench_command(CLI::App& app, BenchCommandOptions& o) {
   b->add_option("--json", o.json, "Write the results as JSON to this file");
   b->add_option("--csv", o.csv, "Write the results as CSV to this file");
   b->add_option("--reps", o.reps, "Timed replays per row (>= 20)")->capture_default_str();
+  b->add_option("--tactic", o.tactic, "Force a tactic, e.g. sm90_wgmma/t256/s1 (default: the runner's choice)");
   o.command = b;
 }
 
@@ -75,6 +76,10 @@ int run_bench_command(const BenchCommandOptions& o) {
               c.sm_count, c.copy_tbps, c.bf16_tflops);
   BenchOptions opt;
   opt.reps = o.reps;
+  if (!o.tactic.empty()) {
+    opt.tactic = parse_tactic(o.tactic);
+    check(opt.tactic.has_value(), "--tactic: expected KERNEL/tTILE/sSPLIT (e.g. sm90_wgmma/t256/s1), got '", o.tactic, "'");
+  }
   std::vector<BenchRow> rows;
   for (const auto& m : models) {
     auto r = bench_model(m, preset(m, mode), tokens, c, opt, true);
@@ -86,15 +91,15 @@ int run_bench_command(const BenchCommandOptions& o) {
     rows = bench_weights(label, layer->problem, layer->weights(), tokens, c, opt, true);
   }
 
-  std::printf("\n%-16s %-16s %6s %5s %10s %10s %10s %7s %8s %8s | %7s %7s %7s %7s %7s %7s\n", "model", "mode", "T",
+  std::printf("\n%-16s %-16s %6s %5s %10s %10s %10s %7s %8s %8s | %7s %7s %7s %7s %7s %7s  %s\n", "model", "mode", "T",
               "hit", "median_us", "min_us", "floor_us", "%floor", "TFLOP/s", "W TB/s", "route", "permute",
-              "quant", "gemm1", "gemm2", "final");
+              "quant", "gemm1", "gemm2", "final", "tactic");
   for (const BenchRow& r : rows)
-    std::printf("%-16s %-16s %6lld %5lld %10.1f %10.1f %10.1f %6.1f%% %8.1f %8.2f | %7.1f %7.1f %7.1f %7.1f %7.1f %7.1f\n",
+    std::printf("%-16s %-16s %6lld %5lld %10.1f %10.1f %10.1f %6.1f%% %8.1f %8.2f | %7.1f %7.1f %7.1f %7.1f %7.1f %7.1f  %s\n",
                 r.model.c_str(), std::string(to_string(r.mode)).c_str(), static_cast<long long>(r.tokens),
                 static_cast<long long>(r.experts_hit), r.median_us, r.min_us, r.floor_us, r.pct_of_floor, r.tflops,
                 r.weight_tbps, r.stages.route_us, r.stages.permute_us, r.stages.quantize_us, r.stages.gemm1_us,
-                r.stages.gemm2_us, r.stages.finalize_us);
+                r.stages.gemm2_us, r.stages.finalize_us, r.tactic.c_str());
 
   if (!o.json.empty()) {
     nlohmann::json j;
@@ -107,6 +112,7 @@ int run_bench_command(const BenchCommandOptions& o) {
                            {"experts_hit", r.experts_hit}, {"median_us", r.median_us}, {"min_us", r.min_us},
                            {"floor_us", r.floor_us}, {"pct_of_floor", r.pct_of_floor}, {"tflops", r.tflops},
                            {"weight_tbps", r.weight_tbps}, {"weight_bytes", r.weight_bytes}, {"flops", r.flops},
+                           {"tactic", r.tactic},
                            {"stages_us", {{"route", r.stages.route_us}, {"permute", r.stages.permute_us},
                                           {"quantize", r.stages.quantize_us}, {"gemm1", r.stages.gemm1_us},
                                           {"gemm2", r.stages.gemm2_us}, {"finalize", r.stages.finalize_us}}}});
@@ -118,12 +124,12 @@ int run_bench_command(const BenchCommandOptions& o) {
     std::ofstream f(o.csv);
     check(static_cast<bool>(f), "--csv: cannot write '", o.csv, "'");
     f << "model,mode,tokens,experts_hit,median_us,min_us,floor_us,pct_of_floor,tflops,weight_tbps,route_us,"
-         "permute_us,quantize_us,gemm1_us,gemm2_us,finalize_us\n";
+         "permute_us,quantize_us,gemm1_us,gemm2_us,finalize_us,tactic\n";
     for (const BenchRow& r : rows)
       f << r.model << ',' << to_string(r.mode) << ',' << r.tokens << ',' << r.experts_hit << ',' << r.median_us << ','
         << r.min_us << ',' << r.floor_us << ',' << r.pct_of_floor << ',' << r.tflops << ',' << r.weight_tbps << ','
         << r.stages.route_us << ',' << r.stages.permute_us << ',' << r.stages.quantize_us << ','
-        << r.stages.gemm1_us << ',' << r.stages.gemm2_us << ',' << r.stages.finalize_us << '\n';
+        << r.stages.gemm1_us << ',' << r.stages.gemm2_us << ',' << r.stages.finalize_us << ',' << r.tactic << '\n';
   }
   return 0;
 }

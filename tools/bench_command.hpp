@@ -14,6 +14,7 @@ struct BenchCommandOptions {
   std::string mode = "w4a4_scalar";
   std::string json, csv;
   int reps = 30;
+  std::string tactic;      // force a tactic (describe() form, e.g. sm90_wgmma/t256/s1)
   std::string checkpoint;  // instead of --model: a checkpoint directory ...
   int64_t layer = -1;      // ... and its MoE layer
   CLI::App* command = nullptr;

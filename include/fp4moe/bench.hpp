@@ -9,11 +9,13 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "fp4moe/problem.hpp"
 #include "fp4moe/reference.hpp"
+#include "fp4moe/tactic.hpp"
 
 namespace fp4moe {
 
@@ -29,6 +31,7 @@ struct BenchOptions {
   int warmup = 5;
   int reps = 30;   // >= 20
   uint64_t seed = 1;
+  std::optional<MoeTactic> tactic;  // force this tactic (MoeRunner::force_tactic); default: the runner's choice
 };
 
 struct StageTimes {
@@ -48,6 +51,7 @@ struct BenchRow {
   double pct_of_floor = 0;    // 100 * floor / median
   double tflops = 0;          // flops / median
   double weight_tbps = 0;     // weight_bytes / median
+  std::string tactic;         // describe() of the tactic the runner used
   StageTimes stages;
 };
 

@@ -16,12 +16,14 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "fp4moe/case_file.hpp"
 #include "fp4moe/error.hpp"
 #include "fp4moe/problem.hpp"
 #include "fp4moe/reference.hpp"
+#include "fp4moe/tactic.hpp"
 
 struct CUstream_st;
 struct CUevent_st;
@@ -79,17 +81,26 @@ class MoeRunner {
   virtual Status forward_marked(CUstream_st* stream, const ForwardArgs& args, bool routed,
                                 CUevent_st* const marks[kForwardStages + 1]) = 0;
 
+  // The tactic a forward of T tokens uses (how the expert GEMMs run; see fp4moe/tactic.hpp).
+  MoeTactic tactic_for(int64_t num_tokens) const;
+  // Tuning and tests: every forward uses `tactic` instead of the runner's choice (nullopt: back to
+  // the choice). Throws fp4moe::Error when the tactic is not valid for the problem.
+  void force_tactic(std::optional<MoeTactic> tactic);
+
  protected:
   MoeRunner(const MoeProblem& p, int64_t max_tokens) : problem_(p), max_tokens_(max_tokens) {}
   MoeProblem problem_;
   int64_t max_tokens_;
+  std::optional<MoeTactic> forced_tactic_;
 };
 
 // Convenience for tools and tests (not a serving path): runs a host-memory case through a MoeRunner
 // on the current device — allocates, uploads, runs forward or forward_routed, downloads, synchronises.
 // When ms is non-null, the layer is also timed (CUDA events around 10 forwards after a warm-up) and the
-// mean milliseconds per forward are stored there. Throws fp4moe::Error on any failure.
-reference::MoeResult run_case_on_gpu(const io::MoeCase& c, double* ms = nullptr);
+// mean milliseconds per forward are stored there. With `tactic`, every forward uses it
+// (MoeRunner::force_tactic). Throws fp4moe::Error on any failure.
+reference::MoeResult run_case_on_gpu(const io::MoeCase& c, double* ms = nullptr,
+                                     std::optional<MoeTactic> tactic = std::nullopt);
 
 // True when a CUDA device of compute capability 9.0 is visible and the library was built with CUDA.
 bool cuda_device_available(std::string* why_not = nullptr);

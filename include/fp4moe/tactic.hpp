@@ -6,7 +6,9 @@
 // chosen for a bucket of T is valid for every T.
 #pragma once
 
+#include <charconv>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
 
@@ -39,6 +41,23 @@ inline std::string_view to_string(GemmKernel k) {
 // e.g. "sm90_wgmma/t128/s1"
 inline std::string describe(const MoeTactic& t) {
   return std::string(to_string(t.kernel)) + "/t" + std::to_string(t.tile_tokens) + "/s" + std::to_string(t.split_k);
+}
+
+// The inverse of describe(); nullopt when `s` is not of that form.
+inline std::optional<MoeTactic> parse_tactic(std::string_view s) {
+  const size_t a = s.find("/t"), b = s.find("/s", a == std::string_view::npos ? 0 : a + 2);
+  if (a == std::string_view::npos || b == std::string_view::npos) return std::nullopt;
+  MoeTactic t;
+  const std::string_view kernel = s.substr(0, a);
+  if (kernel == to_string(GemmKernel::Sm90Wgmma)) t.kernel = GemmKernel::Sm90Wgmma;
+  else if (kernel == to_string(GemmKernel::Sm90Stream)) t.kernel = GemmKernel::Sm90Stream;
+  else return std::nullopt;
+  auto number = [](std::string_view v, int& out) {
+    const auto r = std::from_chars(v.data(), v.data() + v.size(), out);
+    return r.ec == std::errc() && r.ptr == v.data() + v.size() && out >= 1;
+  };
+  if (!number(s.substr(a + 2, b - a - 2), t.tile_tokens) || !number(s.substr(b + 2), t.split_k)) return std::nullopt;
+  return t;
 }
 
 }  // namespace fp4moe

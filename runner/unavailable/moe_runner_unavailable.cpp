@@ -20,7 +20,7 @@ bool cuda_device_available(std::string* why_not) {
   return false;
 }
 
-reference::MoeResult run_case_on_gpu(const io::MoeCase&, double*) { unavailable("run_case_on_gpu"); }
+reference::MoeResult run_case_on_gpu(const io::MoeCase&, double*, std::optional<MoeTactic>) { unavailable("run_case_on_gpu"); }
 
 Ceilings measure_ceilings() { unavailable("bench"); }
 

@@ -16,6 +16,7 @@
 #include <cmath>
 #include <cstring>
 #include <map>
+#include <optional>
 #include <random>
 #include <string>
 
@@ -40,10 +41,11 @@ float bf16_ulp(float x) {
   return std::ldexp(1.0f, exp - 8);
 }
 
-void expect_layer_matches(const io::MoeCase& c, const std::string& label) {
+void expect_layer_matches(const io::MoeCase& c, const std::string& label,
+                          std::optional<MoeTactic> tactic = std::nullopt) {
   const reference::MoeResult ref =
       reference::moe_forward(c.problem, c.num_tokens, c.hidden_states.data(), c.router(), c.weights());
-  const reference::MoeResult gpu = run_case_on_gpu(c);
+  const reference::MoeResult gpu = run_case_on_gpu(c, nullptr, tactic);
   ASSERT_EQ(gpu.topk_ids, ref.topk_ids) << label;
   ASSERT_EQ(gpu.topk_weights.size(), ref.topk_weights.size());
   for (size_t i = 0; i < ref.topk_weights.size(); ++i)
@@ -169,6 +171,67 @@ INSTANTIATE_TEST_SUITE_P(Small, LayerSmall, ::testing::ValuesIn(small_cases()), 
   return std::string(to_string(info.param.method)) + "_" + std::string(to_string(info.param.act)) + "_" +
          std::string(to_string(info.param.mode));
 });
+
+// Every tactic on shapes that stress its tiles: partial token tiles of every wgmma width, experts
+// with several tiles, intermediate sizes below one CTA's columns, K tails, relu2 and precomputed
+// routing with one hot expert.
+struct TacticCase {
+  MoeTactic tactic;
+  std::string name;
+};
+class LayerTactic : public ::testing::TestWithParam<TacticCase> {};
+
+TEST_P(LayerTactic, MatchesReference) {
+  SKIP_WITHOUT_GPU();
+  const MoeTactic t = GetParam().tactic;
+  {
+    MoeProblem p = preset("tiny", ActQuant::W4A4Scalar);  // E=8 k=2: ~250 tokens per expert
+    expect_layer_matches(random_case(p, 1000, 21), "tiny w4a4 T=1000", t);
+  }
+  {
+    MoeProblem p = preset("tiny", ActQuant::W4A16);
+    p.routing.method = RoutingMethod::Precomputed;
+    io::MoeCase c = random_case(p, 700, 22);
+    for (int64_t i = 0; i < c.num_tokens; ++i) c.topk_ids[i * 2] = 3;  // expert 3 gets every token
+    expect_layer_matches(c, "tiny one hot expert", t);
+  }
+  {
+    MoeProblem p;
+    p.num_experts = 6;
+    p.hidden = 2880;  // K tail of GEMM1 (2880 = 22.5 chunks of 128)
+    p.inter = 96;     // fewer columns than one CTA
+    p.routing.method = RoutingMethod::Renormalize;
+    p.routing.top_k = 2;
+    p.activation.kind = Activation::SwiGLUOai;
+    p.act_quant = ActQuant::W4A4PerExpert;
+    expect_layer_matches(random_case(p, 333, 23), "gpt-oss-like shapes", t);
+  }
+  {
+    MoeProblem p;
+    p.num_experts = 4;
+    p.hidden = 320;
+    p.inter = 352;
+    p.routing.method = RoutingMethod::TopK;
+    p.routing.top_k = 1;  // GEMM2 writes the output (fused finalize)
+    p.activation.kind = Activation::Relu2;
+    p.act_quant = ActQuant::W4A16;
+    expect_layer_matches(random_case(p, 1500, 24), "relu2 top-1", t);
+  }
+}
+
+std::vector<TacticCase> tactic_cases() {
+  std::vector<TacticCase> v;
+  for (int tile : {128, 256}) {
+    MoeTactic t;
+    t.kernel = GemmKernel::Sm90Wgmma;
+    t.tile_tokens = tile;
+    v.push_back({t, "wgmma_t" + std::to_string(tile)});
+  }
+  return v;
+}
+
+INSTANTIATE_TEST_SUITE_P(Tactics, LayerTactic, ::testing::ValuesIn(tactic_cases()),
+                         [](const auto& info) { return info.param.name; });
 
 TEST(LayerEdge, AllTokensOnOneExpertAndEmptyExperts) {
   SKIP_WITHOUT_GPU();
