@@ -5,6 +5,7 @@
 //   fp4moe bench (--model PRESET[,PRESET] | --checkpoint DIR --layer L) --tokens LIST [--mode M] [--json F] [--csv F]
 //   fp4moe run --checkpoint DIR --layer L --tokens T [--device cpu|cuda] [--out OUT] [--seed S]
 //   fp4moe inspect DIR
+//   fp4moe tune --show [--cache FILE]
 #include <CLI/CLI.hpp>
 
 #include <chrono>
@@ -21,6 +22,7 @@
 #include "fp4moe/runner.hpp"
 #include "tools/bench_command.hpp"
 #include "tools/checkpoint_commands.hpp"
+#include "tools/tune_command.hpp"
 
 namespace fp4moe::tools {
 namespace {
@@ -150,6 +152,8 @@ int main(int argc, char** argv) {
   add_inspect_command(app, inspect);
   MakeFixtureOptions fixture;
   add_make_fixture_command(app, fixture);
+  TuneOptions tune;
+  add_tune_command(app, tune);
 
   CLI11_PARSE(app, argc, argv);
   try {
@@ -166,6 +170,7 @@ int main(int argc, char** argv) {
     if (inspect.command->parsed()) return run_inspect_command(inspect);
     if (fixture.command->parsed()) return run_make_fixture_command(fixture);
     if (bench.command->parsed()) return run_bench_command(bench);
+    if (tune.command->parsed()) return run_tune_command(tune);
     if (demo->parsed()) return cmd_demo(model, tokens, demo_device, seed);
   } catch (const fp4moe::Error& e) {
     std::fprintf(stderr, "fp4moe: error: %s\n", e.what());

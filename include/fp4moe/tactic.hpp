@@ -2,8 +2,8 @@
 // (DESIGN.md §2: the problem says what is computed, the tactic how). One tactic serves both GEMMs of
 // a forward (they share the permutation's tile table, built for tile_tokens).
 //
-// Validity depends on the problem only, never on the token count T (tune/registry.hpp): a tactic
-// chosen for a bucket of T is valid for every T.
+// Validity depends on the problem only, never on the token count T (fp4moe/tune.hpp, tune/registry.cpp):
+// a tactic chosen for a bucket of T is valid for every T.
 #pragma once
 
 #include <charconv>
@@ -11,6 +11,8 @@
 #include <optional>
 #include <string>
 #include <string_view>
+
+#include "fp4moe/error.hpp"
 
 namespace fp4moe {
 
@@ -36,6 +38,13 @@ inline std::string_view to_string(GemmKernel k) {
     case GemmKernel::Sm90Stream: return "sm90_stream";
   }
   return "unknown";
+}
+
+// The kernel of a name of to_string(GemmKernel); throws fp4moe::Error naming `what` and the accepted names.
+inline GemmKernel parse_gemm_kernel(std::string_view name, std::string_view what = "kernel") {
+  for (GemmKernel k : {GemmKernel::Sm90Wgmma, GemmKernel::Sm90Stream})
+    if (to_string(k) == name) return k;
+  throw Error(detail::concat(what, ": unknown kernel '", name, "', expected one of: sm90_wgmma, sm90_stream"));
 }
 
 // e.g. "sm90_wgmma/t128/s1"

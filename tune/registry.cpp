@@ -1,0 +1,99 @@
+// tune/registry.cpp — the tactics the kernels provide, as a table, and the rules that say for which
+// problems each is valid; plus the heuristic default (fp4moe/tune.hpp states the rules).
+//
+// Validity reads only the problem (H, I here), never T: a tactic chosen for a bucket is valid for
+// every T of the bucket. The heuristic reads T only through the bucket's representative.
+#include <algorithm>
+#include <cstdint>
+#include <initializer_list>
+#include <string>
+#include <vector>
+
+#include "fp4moe/error.hpp"
+#include "fp4moe/tune.hpp"
+
+namespace fp4moe {
+namespace {
+
+struct FamilyRule {
+  GemmKernel kernel;
+  std::initializer_list<int> tile_tokens;  // the instantiated tile heights
+  std::initializer_list<int> split_k;      // the instantiated K splits
+};
+
+// One row per kernel family; candidate_tactics enumerates the product and filters by why_invalid.
+const FamilyRule kFamilies[] = {
+    {GemmKernel::Sm90Wgmma, {128, 256}, {1}},
+    {GemmKernel::Sm90Stream, {16}, {1, 2, 4}},
+};
+
+constexpr int64_t kKChunk = 128;  // K elements per pipeline stage of the streaming kernel
+constexpr int64_t kNumSms = 132;  // H100/H200 SXM: the heuristic aims for >= 2 waves of CTAs
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+int64_t k_chunks(int64_t K) { return ceil_div(K, kKChunk); }
+
+std::string list(std::initializer_list<int> values) {
+  std::string s = "{";
+  for (int v : values) s += (s.size() > 1 ? ", " : "") + std::to_string(v);
+  return s + "}";
+}
+
+bool contains(std::initializer_list<int> values, int v) {
+  return std::find(values.begin(), values.end(), v) != values.end();
+}
+
+}  // namespace
+
+std::string why_invalid(const MoeProblem& p, const MoeTactic& t) {
+  const FamilyRule* rule = nullptr;
+  for (const FamilyRule& r : kFamilies)
+    if (r.kernel == t.kernel) rule = &r;
+  if (!rule) return detail::concat("kernel: unknown kernel id ", static_cast<int>(t.kernel));
+  const std::string name(to_string(t.kernel));
+  if (p.hidden < 16 || p.hidden % 16 != 0 || p.inter < 16 || p.inter % 16 != 0)
+    return detail::concat(name, ": H and I must be multiples of 16 (>= 16), got H=", p.hidden, " I=", p.inter);
+  if (!contains(rule->tile_tokens, t.tile_tokens))
+    return detail::concat(name, ": tile_tokens must be in ", list(rule->tile_tokens), ", got ", t.tile_tokens);
+  if (!contains(rule->split_k, t.split_k))
+    return detail::concat(name, ": split_k must be in ", list(rule->split_k), ", got ", t.split_k);
+  if (t.kernel == GemmKernel::Sm90Stream && t.split_k > 1) {
+    // Each split CTA must get >= 2 K chunks, else the pipeline never overlaps loads and math.
+    const int64_t need = 2 * int64_t(t.split_k);
+    if (k_chunks(p.hidden) < need || k_chunks(p.inter) < need)
+      return detail::concat(name, ": split_k ", t.split_k, " needs >= ", need, " chunks of ", kKChunk,
+                            " along K in both GEMMs, got ", k_chunks(p.hidden), " (GEMM1, K=H=", p.hidden, ") and ",
+                            k_chunks(p.inter), " (GEMM2, K=I=", p.inter, ")");
+  }
+  return "";
+}
+
+std::vector<MoeTactic> candidate_tactics(const MoeProblem& p) {
+  std::vector<MoeTactic> out;
+  for (const FamilyRule& r : kFamilies)
+    for (int tile : r.tile_tokens)
+      for (int split : r.split_k) {
+        const MoeTactic t{r.kernel, tile, split};
+        if (tactic_valid(p, t)) out.push_back(t);
+      }
+  return out;
+}
+
+MoeTactic heuristic_tactic(const MoeProblem& p, int64_t T) {
+  const int64_t R = bucket_range(bucket_of(T)).representative;  // throws for T < 0
+  const int64_t k = p.top_k(), E = std::max<int64_t>(p.num_experts, 1);
+  // m = R * k / E tokens per expert; compared without division. R <= 2^21 and k <= 32: no overflow.
+  const int64_t routed = R * k;
+  if (routed <= 24 * E) {
+    MoeTactic stream{GemmKernel::Sm90Stream, 16, 1};
+    const int64_t experts_hit = std::min(E, routed);
+    const int64_t row_tiles = ceil_div(std::max(p.w13_rows(), p.hidden), 128);  // 128 output rows per CTA
+    const MoeTactic split2{GemmKernel::Sm90Stream, 16, 2};
+    if (experts_hit * row_tiles < 2 * kNumSms && tactic_valid(p, split2)) stream = split2;
+    return stream;
+  }
+  if (routed <= 1024 * E) return {GemmKernel::Sm90Wgmma, 128, 1};
+  return {GemmKernel::Sm90Wgmma, 256, 1};
+}
+
+}  // namespace fp4moe
