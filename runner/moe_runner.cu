@@ -92,8 +92,10 @@ T* region(void* base, size_t offset) {
 
 class GpuMoeRunner final : public MoeRunner {
  public:
-  GpuMoeRunner(const MoeProblem& p, int64_t max_tokens, int device)
-      : MoeRunner(p, max_tokens), device_(device) {}
+  GpuMoeRunner(const MoeProblem& p, int64_t max_tokens, int device, const DeviceKey& key)
+      : MoeRunner(p, max_tokens), device_(device) {
+    init_tactics(key);
+  }
 
   Status prepare_weights(const reference::MoeWeights& w, const WeightPrepOptions& options) override;
   size_t workspace_size(int64_t max_tokens) const override {
@@ -303,7 +305,12 @@ Status GpuMoeRunner::run(cudaStream_t stream, const ForwardArgs& a, bool routed,
   pa.num_tokens = T;
   pa.top_k = k;
   pa.num_experts = E;
-  const MoeTactic tactic = tactic_for(T);
+  const TacticSelector::Choice choice = choice_for(T);
+  const MoeTactic& tactic = choice.tactic;
+  if (log_level() >= LogLevel::Debug)
+    log_line(forced_tactic_ ? detail::concat("forward ", p.describe(), " T=", T, " tactic ", describe(tactic), " (forced)")
+                            : describe_choice(p, T, choice),
+             LogLevel::Debug);
   pa.tile_rows = kernels::gemm_tile_rows(tactic);
   pa.expert_offsets = region<int32_t>(ws, plan.expert_offsets);
   pa.row_to_entry = region<int32_t>(ws, plan.row_to_entry);
@@ -407,7 +414,12 @@ std::unique_ptr<MoeRunner> MoeRunner::create(const MoeProblem& problem, int64_t 
   check(cudaGetDeviceProperties(&prop, device) == cudaSuccess, "MoeRunner::create: no CUDA device ", device);
   check(prop.major == 9 && prop.minor == 0, "MoeRunner::create: device ", device, " (", prop.name,
         ") has compute capability ", prop.major, ".", prop.minor, "; fp4moe's kernels are built for sm_90a (Hopper)");
-  return std::make_unique<GpuMoeRunner>(problem, max_tokens, device);
+  DeviceKey key;
+  key.fp4moe_version = std::string(fp4moe_version());
+  key.gpu_name = prop.name;
+  key.sm_count = prop.multiProcessorCount;
+  check(cudaRuntimeGetVersion(&key.cuda_runtime) == cudaSuccess, "MoeRunner::create: cudaRuntimeGetVersion failed");
+  return std::make_unique<GpuMoeRunner>(problem, max_tokens, device, key);
 }
 
 bool cuda_device_available(std::string* why_not) {

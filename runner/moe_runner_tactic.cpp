@@ -3,24 +3,37 @@
 #include "fp4moe/runner.hpp"
 
 namespace fp4moe {
+namespace {
 
-MoeTactic MoeRunner::tactic_for(int64_t num_tokens) const {
-  if (forced_tactic_) return *forced_tactic_;
-  // Tokens per expert with balanced routing: from 256 on, 256-token tiles (each decoded weight
-  // fragment feeds twice the tokens); below, 128-token tiles (less padding in an expert's last tile).
-  const int64_t per_expert = num_tokens * problem_.top_k() / problem_.num_experts;
-  MoeTactic t;
-  t.kernel = GemmKernel::Sm90Wgmma;
-  t.tile_tokens = per_expert >= 256 ? 256 : 128;
-  return t;
+void print_warnings(const TacticSelector& s) {
+  for (const std::string& w : s.warnings()) log_warning(w);
+}
+
+}  // namespace
+
+void MoeRunner::init_tactics(const DeviceKey& device) {
+  device_key_ = device;
+  selector_.emplace(TacticSelector::from_file(problem_, device_key_, ""));
+  print_warnings(*selector_);
+}
+
+void MoeRunner::use_tune_cache(const std::string& path) {
+  check(!path.empty(), "MoeRunner::use_tune_cache: empty path");
+  selector_.emplace(TacticSelector::from_file(problem_, device_key_, path));
+  print_warnings(*selector_);
+}
+
+TacticSelector::Choice MoeRunner::choice_for(int64_t num_tokens) const {
+  check(selector_.has_value(), "MoeRunner: no tactic selector (the backend did not call init_tactics)");
+  TacticSelector::Choice c = selector_->select(num_tokens);
+  if (forced_tactic_) c.tactic = *forced_tactic_;
+  return c;
 }
 
 void MoeRunner::force_tactic(std::optional<MoeTactic> tactic) {
   if (tactic) {
-    const MoeTactic& t = *tactic;
-    const bool ok = t.kernel == GemmKernel::Sm90Wgmma && (t.tile_tokens == 128 || t.tile_tokens == 256) &&
-                    t.split_k == 1;
-    check(ok, "MoeRunner::force_tactic: tactic ", describe(t), " is not available for ", problem_.describe());
+    const std::string why = why_invalid(problem_, *tactic);
+    check(why.empty(), "MoeRunner::force_tactic: ", describe(*tactic), " cannot run ", problem_.describe(), ": ", why);
   }
   forced_tactic_ = tactic;
 }

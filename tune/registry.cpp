@@ -92,7 +92,9 @@ MoeTactic heuristic_tactic(const MoeProblem& p, int64_t T) {
     if (experts_hit * row_tiles < 2 * kNumSms && tactic_valid(p, split2)) stream = split2;
     return stream;
   }
-  if (routed <= 1024 * E) return {GemmKernel::Sm90Wgmma, 128, 1};
+  // NOTE: 256-token tiles halve the decode per flop but double the CTAs' activation bytes and halve
+  // the weight rows per CTA; measured on the H200 (docs/perf.md) they win from ~256 tokens per expert.
+  if (routed < 256 * E) return {GemmKernel::Sm90Wgmma, 128, 1};
   return {GemmKernel::Sm90Wgmma, 256, 1};
 }
 

@@ -24,6 +24,7 @@
 #include "fp4moe/problem.hpp"
 #include "fp4moe/reference.hpp"
 #include "fp4moe/tactic.hpp"
+#include "fp4moe/tune.hpp"
 
 struct CUstream_st;
 struct CUevent_st;
@@ -81,16 +82,28 @@ class MoeRunner {
   virtual Status forward_marked(CUstream_st* stream, const ForwardArgs& args, bool routed,
                                 CUevent_st* const marks[kForwardStages + 1]) = 0;
 
-  // The tactic a forward of T tokens uses (how the expert GEMMs run; see fp4moe/tactic.hpp).
-  MoeTactic tactic_for(int64_t num_tokens) const;
-  // Tuning and tests: every forward uses `tactic` instead of the runner's choice (nullopt: back to
-  // the choice). Throws fp4moe::Error when the tactic is not valid for the problem.
+  // ---- tactics (fp4moe/tactic.hpp, fp4moe/tune.hpp) ----
+  // Each forward of T tokens runs the tactic of T's bucket: from the tuning cache when it has an entry
+  // for this GPU, fp4moe version and problem, else the heuristic. create() loads the cache named by
+  // FP4MOE_TUNE_CACHE (if set); use_tune_cache loads another file (warnings go to stderr once, a bad
+  // file never fails: the heuristic serves). FP4MOE_LOG=debug prints each forward's choice.
+  void use_tune_cache(const std::string& path);
+  // The tactic a forward of T tokens uses and where it comes from.
+  TacticSelector::Choice choice_for(int64_t num_tokens) const;
+  MoeTactic tactic_for(int64_t num_tokens) const { return choice_for(num_tokens).tactic; }
+  const DeviceKey& device_key() const { return device_key_; }
+  // Tuning and tests: every forward uses `tactic` instead of the selector's choice (nullopt: back to
+  // the selector). Throws fp4moe::Error when the tactic is not valid for the problem.
   void force_tactic(std::optional<MoeTactic> tactic);
 
  protected:
   MoeRunner(const MoeProblem& p, int64_t max_tokens) : problem_(p), max_tokens_(max_tokens) {}
+  // Called by the backend's constructor: the device key and the selector from FP4MOE_TUNE_CACHE.
+  void init_tactics(const DeviceKey& device);
   MoeProblem problem_;
   int64_t max_tokens_;
+  DeviceKey device_key_;
+  std::optional<TacticSelector> selector_;
   std::optional<MoeTactic> forced_tactic_;
 };
 

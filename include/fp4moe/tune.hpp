@@ -69,7 +69,7 @@ inline bool tactic_valid(const MoeProblem& problem, const MoeTactic& tactic) {
 //   m <= 24:   sm90_stream t16, split_k 2 when valid and the grid is small (experts_hit *
 //              ceil(max(w13 rows, H) / 128) < 264 CTAs, i.e. under two waves of 132 SMs, with
 //              experts_hit = min(E, R * k)), else split_k 1;
-//   m <= 1024: sm90_wgmma t128;
+//   m < 256:   sm90_wgmma t128;
 //   else:      sm90_wgmma t256.
 // Always valid for the problem. Throws fp4moe::Error for T < 0.
 MoeTactic heuristic_tactic(const MoeProblem& problem, int64_t T);

@@ -110,8 +110,8 @@ TEST(Registry, HeuristicFollowsTokensPerExpert) {
   EXPECT_EQ(heuristic_tactic(ds, 4), kStream1);  // 32 experts * 56 = 1792 CTAs
   EXPECT_EQ(heuristic_tactic(ds, 768), kStream1);            // m = 24
   EXPECT_EQ(heuristic_tactic(ds, 769), kWgmma128);           // bucket [769, 896]: m = 28
-  EXPECT_EQ(heuristic_tactic(ds, 32768), kWgmma128);         // m = 1024
-  EXPECT_EQ(heuristic_tactic(ds, 32769), kWgmma256);         // m > 1024
+  EXPECT_EQ(heuristic_tactic(ds, 7168), kWgmma128);          // bucket [6145, 7168]: m = 224
+  EXPECT_EQ(heuristic_tactic(ds, 7169), kWgmma256);          // bucket [7169, 8192]: m = 256
   EXPECT_EQ(heuristic_tactic(ds, int64_t(1) << 40), kWgmma256);
   // Few experts hit, small rows: the grid is under two waves, so split K.
   const MoeProblem small = problem(128, 2048, 768, 8);  // rows max(1536, 2048) -> 16 tiles per expert
