@@ -2,7 +2,8 @@
 //
 //   1. Check the arguments (cudaErrorInvalidValue on anything inconsistent: shapes, the prepacked
 //      weights' shape, null or misaligned pointers).
-//   2. The tactic picks the kernel (args.tactic: the wgmma kernel with 128- or 256-token tiles).
+//   2. The tactic picks the kernel (args.tactic): the wgmma kernel with 128- or 256-token tiles here,
+//      the streaming kernel (expert_gemm_stream.cu) for sm90_stream.
 //   3. Grid: max_tiles token tiles x CTAs along N (the CTA's weight rows: 256 with 128-token tiles,
 //      128 with 256-token tiles; GEMM1 gated: half of them intermediate columns), one dimension;
 //      CTAs past *num_tiles leave at once.
@@ -13,49 +14,15 @@
 #include <climits>
 #include <cstdint>
 
+#include "kernels/expert_gemm_common.cuh"
 #include "kernels/expert_gemm_sm90.cuh"
 #include "kernels/launch.hpp"
 
 namespace fp4moe::kernels {
 namespace {
-
-bool aligned(const void* p, uintptr_t a) { return reinterpret_cast<uintptr_t>(p) % a == 0; }
-
-bool tactic_supported(const MoeTactic& t);
-
-bool common_args_valid(const ExpertGemmArgs& a) {
-  const PrepackedWeights& pw = a.weights;
-  if (!tactic_supported(a.tactic)) return false;
-  if (a.K <= 0 || a.K % 16 != 0 || a.N <= 0 || a.N % 16 != 0 || a.K > INT_MAX / 2 || a.N > INT_MAX / 2) return false;
-  if (a.num_experts <= 0 || a.max_tiles < 0 || a.max_tiles > INT_MAX) return false;
-  if (pw.num_experts != a.num_experts || pw.rows != a.N || pw.cols != a.K ||
-      pw.padded_cols != (a.K + fp4layout::kChunkK - 1) / fp4layout::kChunkK * fp4layout::kChunkK)
-    return false;
-  if (a.max_tiles == 0) return true;  // nothing will be launched
-  if (!a.a || !a.w || !a.w_scale || !a.alpha || !a.expert_offsets || !a.tile_expert || !a.tile_row_start ||
-      !a.num_tiles)
-    return false;
-  return aligned(a.a, 16) && aligned(a.w, 16) && aligned(a.w_scale, 16);
-}
-
-sm90gemm::Params common_params(const ExpertGemmArgs& a) {
-  sm90gemm::Params p{};
-  p.a = a.a;
-  p.w = a.w;
-  p.w_scale = a.w_scale;
-  p.alpha = a.alpha;
-  p.expert_offsets = a.expert_offsets;
-  p.tile_expert = a.tile_expert;
-  p.tile_row_start = a.tile_row_start;
-  p.num_tiles = a.num_tiles;
-  p.max_tiles = static_cast<int>(a.max_tiles);
-  p.K = static_cast<int>(a.K);
-  p.N = static_cast<int>(a.N);
-  p.groups = static_cast<int>(a.N / fp4layout::kRowsPerGroup);
-  p.chunks = static_cast<int>(a.weights.padded_cols / fp4layout::kChunkK);
-  return p;
-}
-
+using gemm_detail::aligned;
+using gemm_detail::common_args_valid;
+using gemm_detail::common_params;
 }  // namespace
 
 cudaError_t configure_expert_gemm() {
@@ -81,9 +48,12 @@ cudaError_t configure_expert_gemm() {
 
 namespace {
 
-// The one place where a tactic becomes a kernel instantiation.
-bool tactic_supported(const MoeTactic& t) {
+bool wgmma_tactic(const MoeTactic& t) {
   return t.kernel == GemmKernel::Sm90Wgmma && (t.tile_tokens == 128 || t.tile_tokens == 256) && t.split_k == 1;
+}
+bool stream_tactic(const MoeTactic& t) {
+  return t.kernel == GemmKernel::Sm90Stream && t.tile_tokens == gemm_stream_tile_rows() && t.split_k >= 1 &&
+         t.split_k <= kMaxStreamSplitK;
 }
 
 template <int TileTokens>
@@ -100,6 +70,7 @@ cudaError_t launch_wgmma(const sm90gemm::Params& p, bool gated_gemm1, int64_t co
   return cudaGetLastError();
 }
 
+// The one place where a tactic becomes a kernel instantiation (the streaming kernel: see the launchers).
 cudaError_t launch(const sm90gemm::Params& p, const MoeTactic& t, bool gated_gemm1, int64_t cols, cudaStream_t stream) {
   if (p.max_tiles == 0) return cudaSuccess;
   return t.tile_tokens == 256 ? launch_wgmma<256>(p, gated_gemm1, cols, stream)
@@ -112,7 +83,8 @@ int gemm_tile_rows() { return sm90gemm::TileConfig<128>::kTileRows; }
 int gemm_tile_rows(const MoeTactic& t) { return t.tile_tokens; }
 
 cudaError_t launch_gemm1_act(const Gemm1Args& args, cudaStream_t stream) {
-  if (!common_args_valid(args)) return cudaErrorInvalidValue;
+  if (stream_tactic(args.tactic)) return launch_gemm1_act_stream(args, args.tactic.split_k, stream);
+  if (!wgmma_tactic(args.tactic) || !common_args_valid(args)) return cudaErrorInvalidValue;
   const bool gated = args.activation.kind != Activation::Relu2;
   if (gated && args.N % 32 != 0) return cudaErrorInvalidValue;  // I = N/2 must be a multiple of 16
   const int64_t I = gated ? args.N / 2 : args.N;
@@ -132,7 +104,8 @@ cudaError_t launch_gemm1_act(const Gemm1Args& args, cudaStream_t stream) {
 }
 
 cudaError_t launch_gemm2(const Gemm2Args& args, cudaStream_t stream) {
-  if (!common_args_valid(args)) return cudaErrorInvalidValue;
+  if (stream_tactic(args.tactic)) return launch_gemm2_stream(args, args.tactic.split_k, stream);
+  if (!wgmma_tactic(args.tactic) || !common_args_valid(args)) return cudaErrorInvalidValue;
   if (args.max_tiles > 0 && (!args.row_to_entry || (!args.y && !args.out) || (args.y && !aligned(args.y, 4))))
     return cudaErrorInvalidValue;
   sm90gemm::Params p = common_params(args);

@@ -535,22 +535,24 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
 
 // GEMM1 epilogue items: item = (token, 16 consecutive output columns) of the staged tile; all 16 (32
 // when gated) staged values are loaded first, then the activation and (w4a4) the re-quantization.
-// Gated kinds read gate column i at staging row i and up at row 128 + i; relu2 reads row i.
-template <class C, Activation K>
+// Gated kinds read gate column i at staging row i and up at row kUpRow + i; relu2 reads row i.
+// kStride (floats per staging row), kUpRow (kBlockN / 2 in the wgmma kernel) and kNumThreads (threads
+// 0..kNumThreads-1 share the
+// items) let the streaming kernel (expert_gemm_stream_sm90.cuh) use its own staging tile.
+template <Activation K, int kStride, int kUpRow, int kNumThreads>
 __device__ __forceinline__ void gemm1_items(const Params& p, const float* stg, int64_t out_base, int items,
                                             int valid_rows, float gs, float inv_gs) {
   constexpr bool kGated = K != Activation::Relu2;
-  for (int item = threadIdx.x; item < items; item += kConsumerThreads) {
+  for (int item = threadIdx.x; item < items; item += kNumThreads) {
     const int tok = item % valid_rows, blk = item / valid_rows;
-    constexpr int kStagingStride = C::kStagingStride;
-    const uint32_t src = smem_addr(stg + (blk * 16) * kStagingStride + tok);
+    const uint32_t src = smem_addr(stg + (blk * 16) * kStride + tok);
     float h[16], u[16], x[16];
     // NOTE: volatile loads, all issued before any math: plain loads were sunk next to each element's
     // use, between the division slow-path branches, and paid the load latency 16 times.
 #pragma unroll
     for (int i = 0; i < 16; ++i) {
-      h[i] = lds_f32(src + i * kStagingStride * 4);
-      u[i] = kGated ? lds_f32(src + (C::kBlockN / 2 + i) * kStagingStride * 4) : 0.0f;
+      h[i] = lds_f32(src + i * kStride * 4);
+      u[i] = kGated ? lds_f32(src + (kUpRow + i) * kStride * 4) : 0.0f;
     }
     float den[16];
 #pragma unroll
@@ -573,6 +575,30 @@ __device__ __forceinline__ void gemm1_items(const Params& p, const float* stg, i
   }
 }
 
+// The GEMM1 epilogue items with the activation kind as a template parameter (see gemm1_items).
+template <int kStride, int kUpRow, int kNumThreads>
+__device__ __forceinline__ void gemm1_epilogue(const Params& p, const float* stg, int64_t out_base, int items,
+                                               int valid_rows, float gs, float inv_gs) {
+  switch (p.act.kind) {
+    case Activation::SwiGLU:
+      gemm1_items<Activation::SwiGLU, kStride, kUpRow, kNumThreads>(p, stg, out_base, items, valid_rows, gs, inv_gs);
+      break;
+    case Activation::GeGLU:
+      gemm1_items<Activation::GeGLU, kStride, kUpRow, kNumThreads>(p, stg, out_base, items, valid_rows, gs, inv_gs);
+      break;
+    case Activation::SwiGLUOai:
+      gemm1_items<Activation::SwiGLUOai, kStride, kUpRow, kNumThreads>(p, stg, out_base, items, valid_rows, gs,
+                                                                       inv_gs);
+      break;
+    default:
+      gemm1_items<Activation::Relu2, kStride, kUpRow, kNumThreads>(p, stg, out_base, items, valid_rows, gs, inv_gs);
+      break;
+  }
+}
+
+// The kernel itself is defined only where it is launched (expert_gemm.cu); other kernels include this
+// header for its helpers with FP4MOE_SM90GEMM_HELPERS_ONLY defined (one definition of the kernel).
+#if !defined(FP4MOE_SM90GEMM_HELPERS_ONLY)
 template <int TileTokens>
 __global__ void __launch_bounds__(kThreads, 1) expert_gemm_kernel(const Params p) {
   using C = TileConfig<TileTokens>;
@@ -699,20 +725,8 @@ __global__ void __launch_bounds__(kThreads, 1) expert_gemm_kernel(const Params p
     inv_gs = __fdiv_rn(1.0f, gs);
   }
   const int64_t out_base = row_start * static_cast<int64_t>(p.out_cols) + i0;
-  switch (p.act.kind) {
-    case Activation::SwiGLU:
-      gemm1_items<C, Activation::SwiGLU>(p, stg, out_base, items, valid_rows, gs, inv_gs);
-      break;
-    case Activation::GeGLU:
-      gemm1_items<C, Activation::GeGLU>(p, stg, out_base, items, valid_rows, gs, inv_gs);
-      break;
-    case Activation::SwiGLUOai:
-      gemm1_items<C, Activation::SwiGLUOai>(p, stg, out_base, items, valid_rows, gs, inv_gs);
-      break;
-    default:
-      gemm1_items<C, Activation::Relu2>(p, stg, out_base, items, valid_rows, gs, inv_gs);
-      break;
-  }
+  gemm1_epilogue<kStagingStride, kBlockN / 2, kConsumerThreads>(p, stg, out_base, items, valid_rows, gs, inv_gs);
 }
+#endif  // !FP4MOE_SM90GEMM_HELPERS_ONLY
 
 }  // namespace fp4moe::kernels::sm90gemm

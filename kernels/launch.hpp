@@ -135,6 +135,11 @@ struct ExpertGemmArgs {
   int64_t K = 0;                          // reduction size (H for GEMM1, I for GEMM2)
   int64_t N = 0;                          // weight rows (w13_rows for GEMM1, H for GEMM2)
   MoeTactic tactic;                       // which kernel; the tile table is built for its tile_tokens
+  // Streaming kernel with split_k > 1 only: gemm_stream_workspace_bytes(max_tiles, N, split_k) bytes,
+  // 16-byte aligned, ZEROED ONCE by the caller when allocated (its arrival counters are reset to zero by
+  // every launch that uses them, so CUDA-graph replays and later launches need no memset). Launches that
+  // use the same workspace must be stream-ordered.
+  void* split_workspace = nullptr;
 };
 // One-time per-device setup of the GEMM kernels (shared-memory opt-in). The launchers call it too,
 // but a caller that captures CUDA graphs calls it before capturing (MoeRunner::prepare_weights does).
@@ -151,6 +156,7 @@ struct Gemm1Args : ExpertGemmArgs {
   const float* act_scale = nullptr;       // [E] w2_input_scale (w4a4 re-quantization), else unused
   __nv_bfloat16* act = nullptr;           // [T*k, I]
 };
+// Runs the kernel of args.tactic (the streaming kernel for sm90_stream, with args.tactic.split_k).
 cudaError_t launch_gemm1_act(const Gemm1Args& args, cudaStream_t stream);
 
 struct Gemm2Args : ExpertGemmArgs {
@@ -162,6 +168,21 @@ struct Gemm2Args : ExpertGemmArgs {
   const float* out_weights = nullptr;     // [T] or nullptr (unit weights)
 };
 cudaError_t launch_gemm2(const Gemm2Args& args, cudaStream_t stream);
+
+// ---- streaming expert GEMMs (GemmKernel::Sm90Stream, kernels/expert_gemm_stream_sm90.cuh) ---------
+// Same arguments and results as launch_gemm1_act / launch_gemm2 (up to the fp32 summation order), for
+// few token rows per expert: the tile table must be built with gemm_stream_tile_rows() (16) and
+// max_tiles(T*k, E, gemm_stream_tile_rows()). split_k (1..kMaxStreamSplitK) CTAs share the K range of
+// an output tile; split_k > 1 needs args.split_workspace (see ExpertGemmArgs). The split partial sums
+// are added in fixed split order: results are deterministic run to run.
+inline constexpr int kMaxStreamSplitK = 64;
+int gemm_stream_tile_rows();
+size_t gemm_stream_workspace_bytes(int64_t max_tiles, int64_t N_rows, int split_k);
+// The arrival counters at the start of that workspace (for launches with this max_tiles): a caller
+// that cannot guarantee they are still zero (a workspace shared with other work) clears these bytes.
+size_t gemm_stream_counter_bytes(int64_t max_tiles, int64_t N_rows);
+cudaError_t launch_gemm1_act_stream(const Gemm1Args& args, int split_k, cudaStream_t stream);
+cudaError_t launch_gemm2_stream(const Gemm2Args& args, int split_k, cudaStream_t stream);
 
 // ---- finalize -------------------------------------------------------------------------------------
 // out[t] = bf16( sum_j w[t,j] * y[t*k+j] ), fp32, slots in order; w = 1 when unit_weights.

@@ -84,6 +84,68 @@ void refcheck(const MoeProblem& p, const reference::MoeWeights& weights, const s
         " against the CPU reference (limit 5e-3)");
 }
 
+// Random activations, logits (and DeepSeek bias) for T tokens: normal-ish values from a xorshift.
+struct LayerInputs {
+  std::vector<uint16_t> hidden;  // [T, H] bf16 bits
+  std::vector<float> logits;     // [T, E]
+  std::vector<float> bias;       // [E] for DeepSeekV3, else empty
+};
+LayerInputs random_inputs(const MoeProblem& p, int64_t T, uint64_t seed) {
+  uint64_t z = (seed + 1) * 0x9E3779B97F4A7C15ull + static_cast<uint64_t>(T);
+  auto normalish = [&z] {  // sum of 4 uniforms, unit variance
+    double sum = 0;
+    for (int r = 0; r < 4; ++r) {
+      z ^= z << 13; z ^= z >> 7; z ^= z << 17;
+      sum += double(z >> 11) / double(1ull << 53);
+    }
+    return float((sum - 2.0) * 1.7320508);
+  };
+  LayerInputs in;
+  in.hidden.resize(T * p.hidden);
+  in.logits.resize(T * p.num_experts);
+  for (auto& v : in.hidden) v = format::bf16_from_float(normalish());
+  for (auto& v : in.logits) v = normalish();
+  if (p.routing.method == RoutingMethod::DeepSeekV3) {
+    in.bias.resize(p.num_experts);
+    for (auto& v : in.bias) v = 0.1f * normalish();
+  }
+  return in;
+}
+
+// Captures one forward in a CUDA graph and times `reps` replays, each after an L2 flush (warm-up
+// replays first); returns the per-replay microseconds. With give_up_us > 0, stops after the first
+// timed replay when it exceeds give_up_us (the result then has one element).
+std::vector<double> time_replays(MoeRunner& runner, cudaStream_t stream, const ForwardArgs& a, void* flush,
+                                 size_t flush_bytes, int warmup, int reps, double give_up_us = 0) {
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  ck(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), "begin capture");
+  Status cs = runner.forward(stream, a);
+  ck(cudaStreamEndCapture(stream, &graph), "end capture");
+  if (!cs.ok()) throw Error(cs.message);
+  ck(cudaGraphInstantiate(&exec, graph, 0), "graph instantiate");
+  Events ev(2 * reps);
+  for (int i = 0; i < warmup; ++i) ck(cudaGraphLaunch(exec, stream), "graph launch");
+  std::vector<double> t_us;
+  for (int i = 0; i < reps; ++i) {
+    ck(cudaMemsetAsync(flush, i & 0xFF, flush_bytes, stream), "L2 flush");
+    ck(cudaEventRecord(ev.ev[2 * i], stream), "record");
+    ck(cudaGraphLaunch(exec, stream), "graph launch");
+    ck(cudaEventRecord(ev.ev[2 * i + 1], stream), "record");
+    if (i == 0 && give_up_us > 0) {
+      ck(cudaStreamSynchronize(stream), "replay");
+      t_us.push_back(1e3 * ev.ms(0, 1));
+      if (t_us[0] > give_up_us) break;
+    }
+  }
+  ck(cudaStreamSynchronize(stream), "replays");
+  for (int i = static_cast<int>(t_us.size()); i < reps; ++i) t_us.push_back(1e3 * ev.ms(2 * i, 2 * i + 1));
+  for (double v : t_us) check(v > 0, "bench: a replay measured ", v, " us");
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  return t_us;
+}
+
 }  // namespace
 
 Ceilings measure_ceilings() {
@@ -179,24 +241,10 @@ std::vector<BenchRow> bench_weights(const std::string& model, const MoeProblem& 
 
   std::vector<BenchRow> rows;
   for (int64_t T : tokens) {
-    // Fresh activations, logits (and DeepSeek bias) for this T: normal-ish values from a xorshift.
-    uint64_t z = (opt.seed + 1) * 0x9E3779B97F4A7C15ull + static_cast<uint64_t>(T);
-    auto normalish = [&z] {  // sum of 4 uniforms, unit variance
-      double sum = 0;
-      for (int r = 0; r < 4; ++r) {
-        z ^= z << 13; z ^= z >> 7; z ^= z << 17;
-        sum += double(z >> 11) / double(1ull << 53);
-      }
-      return float((sum - 2.0) * 1.7320508);
-    };
-    std::vector<uint16_t> h(T * H);
-    std::vector<float> lg(T * E), bs;
-    for (auto& v : h) v = format::bf16_from_float(normalish());
-    for (auto& v : lg) v = normalish();
-    if (p.routing.method == RoutingMethod::DeepSeekV3) {
-      bs.resize(E);
-      for (auto& v : bs) v = 0.1f * normalish();
-    }
+    const LayerInputs in = random_inputs(p, T, opt.seed);
+    const std::vector<uint16_t>& h = in.hidden;
+    const std::vector<float>& lg = in.logits;
+    const std::vector<float>& bs = in.bias;
     ck(cudaMemcpy(hidden.ptr, h.data(), h.size() * 2, cudaMemcpyHostToDevice), "upload hidden");
     ck(cudaMemcpy(logits.ptr, lg.data(), lg.size() * 4, cudaMemcpyHostToDevice), "upload logits");
     const bool has_bias = !bs.empty();
@@ -228,30 +276,9 @@ std::vector<BenchRow> bench_weights(const std::string& model, const MoeProblem& 
       row.experts_hit = static_cast<int64_t>(std::set<int32_t>(got.begin(), got.end()).size());
     }
 
-    cudaGraph_t graph;
-    cudaGraphExec_t exec;
-    ck(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), "begin capture");
-    Status cs = runner->forward(stream, a);
-    ck(cudaStreamEndCapture(stream, &graph), "end capture");
-    if (!cs.ok()) throw Error(cs.message);
-    ck(cudaGraphInstantiate(&exec, graph, 0), "graph instantiate");
-
-    Events ev(2 * opt.reps);
-    for (int i = 0; i < opt.warmup; ++i) ck(cudaGraphLaunch(exec, stream), "graph launch");
-    for (int i = 0; i < opt.reps; ++i) {
-      ck(cudaMemsetAsync(flush.ptr, i & 0xFF, flush_bytes, stream), "L2 flush");
-      ck(cudaEventRecord(ev.ev[2 * i], stream), "record");
-      ck(cudaGraphLaunch(exec, stream), "graph launch");
-      ck(cudaEventRecord(ev.ev[2 * i + 1], stream), "record");
-    }
-    ck(cudaStreamSynchronize(stream), "replays");
-    std::vector<double> t_us;
-    for (int i = 0; i < opt.reps; ++i) t_us.push_back(1e3 * ev.ms(2 * i, 2 * i + 1));
-    for (double v : t_us) check(v > 0, "bench: a replay measured ", v, " us");
+    const std::vector<double> t_us = time_replays(*runner, stream, a, flush.ptr, flush_bytes, opt.warmup, opt.reps);
     row.median_us = median(t_us);
     row.min_us = *std::min_element(t_us.begin(), t_us.end());
-    cudaGraphExecDestroy(exec);
-    cudaGraphDestroy(graph);
 
     // Stage times: instrumented forwards (not graphs), L2 flushed before each.
     Events marks(MoeRunner::kForwardStages + 1);
@@ -280,6 +307,92 @@ std::vector<BenchRow> bench_weights(const std::string& model, const MoeProblem& 
   }
   cudaStreamDestroy(stream);
   return rows;
+}
+
+std::vector<TuneEntry> tune_problem(const std::string& label, const MoeProblem& p, const TuneProfileOptions& o) {
+  check(o.reps >= 5, "tune: reps must be >= 5, got ", o.reps);
+  check(o.max_tokens >= 1, "tune: max_tokens must be >= 1, got ", o.max_tokens);
+  check(p.routing.method != RoutingMethod::Precomputed, "tune: a problem with precomputed routing cannot be tuned from logits");
+  std::vector<int> buckets;  // bucket 0 (T = 0) launches nothing
+  for (int b = 1; b < num_buckets() && bucket_range(b).representative <= o.max_tokens; ++b) buckets.push_back(b);
+  check(!buckets.empty(), "tune: no bucket up to max_tokens ", o.max_tokens);
+  const int64_t max_t = bucket_range(buckets.back()).representative;
+  const std::vector<MoeTactic> candidates = candidate_tactics(p);
+  if (o.progress) std::fprintf(stderr, "tune %s: preparing random NVFP4 weights ...\n", label.c_str());
+  const io::MoeCase random = io::make_random_packed_case(p, 0, o.seed);
+  auto runner = MoeRunner::create(p, max_t);
+  if (Status s = runner->prepare_weights(random.weights()); !s.ok()) throw Error(s.message);
+  size_t ws_bytes = 0;  // the largest workspace of any candidate
+  for (const MoeTactic& t : candidates) {
+    runner->force_tactic(t);
+    ws_bytes = std::max(ws_bytes, runner->workspace_size(max_t));
+  }
+  const int64_t E = p.num_experts, H = p.hidden, k = p.top_k();
+  cudaStream_t stream;
+  ck(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
+  Buffer ws(ws_bytes), hidden(max_t * H * 2), logits(max_t * E * 4), bias(E * 4), ids(max_t * k * 4),
+      wts(max_t * k * 4), out(max_t * H * 2);
+  const size_t flush_bytes = size_t(256) << 20;
+  Buffer flush(flush_bytes);
+
+  std::vector<TuneEntry> entries;
+  for (size_t bi = 0; bi < buckets.size(); ++bi) {
+    const int b = buckets[bi];
+    const int64_t T = bucket_range(b).representative;
+    const LayerInputs in = random_inputs(p, T, o.seed);
+    ck(cudaMemcpy(hidden.ptr, in.hidden.data(), in.hidden.size() * 2, cudaMemcpyHostToDevice), "upload hidden");
+    ck(cudaMemcpy(logits.ptr, in.logits.data(), in.logits.size() * 4, cudaMemcpyHostToDevice), "upload logits");
+    if (!in.bias.empty()) ck(cudaMemcpy(bias.ptr, in.bias.data(), E * 4, cudaMemcpyHostToDevice), "upload bias");
+    ForwardArgs a;
+    a.num_tokens = T;
+    a.hidden = hidden.ptr;
+    a.router_logits = logits.ptr;
+    a.routing_bias = in.bias.empty() ? nullptr : static_cast<const float*>(bias.ptr);
+    a.topk_ids = static_cast<int32_t*>(ids.ptr);
+    a.topk_weights = static_cast<float*>(wts.ptr);
+    a.output = out.ptr;
+    a.workspace = ws.ptr;
+    a.workspace_bytes = ws_bytes;
+
+    const MoeTactic heuristic = heuristic_tactic(p, T);
+    // The heuristic first: it sets the bar the others must beat.
+    std::vector<MoeTactic> order = {heuristic};
+    for (const MoeTactic& t : candidates)
+      if (!(t == heuristic)) order.push_back(t);
+    TuneEntry e;
+    e.device = runner->device_key();
+    e.problem = p;
+    e.bucket = b;
+    e.heuristic = heuristic;
+    double best = 0;
+    for (const MoeTactic& t : order) {
+      runner->force_tactic(t);
+      const std::vector<double> us =
+          time_replays(*runner, stream, a, flush.ptr, flush_bytes, 2, o.reps, best > 0 ? 3.0 * best : 0.0);
+      const double m = median(us);
+      if (t == heuristic) e.heuristic_us = m;
+      if (best == 0 || m < best) {
+        best = m;
+        e.tactic = t;
+        e.tactic_us = m;
+      }
+    }
+    // NOTE: a win inside the replay noise (~1%) is not a win: keep the heuristic then, so that a tuned
+    // choice never trades a known default for a coin flip.
+    if (!(e.tactic == heuristic) && e.tactic_us > 0.985 * e.heuristic_us) {
+      e.tactic = heuristic;
+      e.tactic_us = e.heuristic_us;
+    }
+    entries.push_back(e);
+    if (o.progress)
+      std::fprintf(stderr, "\rtune %s: [%3zu/%3zu] T=%-6lld best %-20s %9.1f us (heuristic %9.1f us)   ", label.c_str(),
+                   bi + 1, buckets.size(), static_cast<long long>(T), describe(e.tactic).c_str(), e.tactic_us,
+                   e.heuristic_us);
+  }
+  if (o.progress) std::fprintf(stderr, "\n");
+  runner->force_tactic(std::nullopt);
+  cudaStreamDestroy(stream);
+  return entries;
 }
 
 }  // namespace fp4moe

@@ -61,11 +61,13 @@ constexpr int kMinTileRows = 16;
 // Offsets of the workspace regions for a given max token count.
 struct WorkspacePlan {
   size_t expert_offsets, row_to_entry, entry_to_row, tile_expert, tile_row_start, num_tiles;
-  size_t permute_scratch, a1, act, y, error_count;
+  size_t permute_scratch, a1, act, y, error_count, split1, split2;
   size_t total;
   int64_t max_tiles;
 
-  WorkspacePlan(const MoeProblem& p, int64_t max_tokens) {
+  // split_tokens / split_k: the largest token count served by a split-K tactic and the largest split
+  // (the streaming GEMMs' partial sums; 0 / 1 when no tactic splits).
+  WorkspacePlan(const MoeProblem& p, int64_t max_tokens, int64_t split_tokens, int split_k) {
     const int64_t entries = max_tokens * p.top_k();
     max_tiles = kernels::max_tiles(entries, p.num_experts, kMinTileRows);
     size_t at = 0;
@@ -81,6 +83,9 @@ struct WorkspacePlan {
     act = take(sizeof(__nv_bfloat16) * entries * p.inter);
     y = take(sizeof(float) * entries * p.hidden);
     error_count = take(sizeof(int32_t));
+    const int64_t split_tiles = kernels::max_tiles(split_tokens * p.top_k(), p.num_experts, kMinTileRows);
+    split1 = take(kernels::gemm_stream_workspace_bytes(split_tiles, p.w13_rows(), split_k));
+    split2 = take(kernels::gemm_stream_workspace_bytes(split_tiles, p.hidden, split_k));
     total = at;
   }
 };
@@ -98,9 +103,7 @@ class GpuMoeRunner final : public MoeRunner {
   }
 
   Status prepare_weights(const reference::MoeWeights& w, const WeightPrepOptions& options) override;
-  size_t workspace_size(int64_t max_tokens) const override {
-    return WorkspacePlan(problem_, max_tokens).total;
-  }
+  size_t workspace_size(int64_t max_tokens) const override { return plan(max_tokens).total; }
   Status forward(CUstream_st* stream, const ForwardArgs& args) override {
     return run(stream, args, /*routed=*/false, nullptr);
   }
@@ -115,6 +118,27 @@ class GpuMoeRunner final : public MoeRunner {
  private:
   Status prepare_weights_or_throw(const reference::MoeWeights& w, const WeightPrepOptions& options);
   Status check_args(cudaStream_t stream, const ForwardArgs& args, bool routed) const;
+  // The workspace of the current tactic choice (selector or forced): split-K tactics add the streaming
+  // GEMMs' partial sums for the largest T they serve.
+  WorkspacePlan plan(int64_t max_tokens) const {
+    int64_t split_tokens = 0;
+    int split_k = 1;
+    auto add = [&](const MoeTactic& t, int64_t T) {
+      if (t.split_k <= 1) return;
+      split_tokens = std::max(split_tokens, T);
+      split_k = std::max(split_k, t.split_k);
+    };
+    if (forced_tactic_) {
+      add(*forced_tactic_, max_tokens);
+    } else {
+      for (int b = 0; b < num_buckets(); ++b) {
+        const BucketRange r = bucket_range(b);
+        if (r.lo > max_tokens) break;
+        add(selector_->choices()[b].tactic, std::min(r.hi, max_tokens));
+      }
+    }
+    return WorkspacePlan(problem_, max_tokens, split_tokens, split_k);
+  }
   Status run(cudaStream_t stream, const ForwardArgs& args, bool routed, cudaEvent_t const* marks);
 
   int device_;
@@ -223,7 +247,9 @@ Status GpuMoeRunner::check_args(cudaStream_t stream, const ForwardArgs& a, bool 
   if (a.num_tokens < 0 || a.num_tokens > max_tokens_)
     return fail("num_tokens must be in [0, max_tokens=", max_tokens_, "], got ", a.num_tokens);
   const size_t need = workspace_size(max_tokens_);
-  if (a.workspace_bytes < need) return fail("workspace_bytes must be >= workspace_size(max_tokens) = ", need, ", got ", a.workspace_bytes);
+  if (a.workspace_bytes < need)
+    return fail("workspace_bytes must be >= workspace_size(max_tokens) = ", need, ", got ", a.workspace_bytes,
+                " (the size depends on the tactics: ask again after force_tactic / use_tune_cache)");
   if (a.num_tokens == 0) return Status::success();
   // NOTE: pointer and stream queries are not stream operations, but CUDA counts them as unsafe while
   // a graph is captured in global mode; a capturing call checks what needs no query.
@@ -279,7 +305,7 @@ Status GpuMoeRunner::run(cudaStream_t stream, const ForwardArgs& a, bool routed,
   const int T = static_cast<int>(a.num_tokens), k = p.top_k(), E = static_cast<int>(p.num_experts);
   if (T == 0) return Status::success();
   if (cudaError_t e = cudaSetDevice(device_); e != cudaSuccess) return Status::failure(cuda_message("cudaSetDevice", e));
-  const WorkspacePlan plan(p, max_tokens_);
+  const WorkspacePlan plan = this->plan(max_tokens_);
   const int64_t entries = int64_t(T) * k;
   void* ws = a.workspace;
   auto* ids = a.topk_ids;
@@ -353,6 +379,16 @@ Status GpuMoeRunner::run(cudaStream_t stream, const ForwardArgs& a, bool routed,
     x.N = N;
     x.tactic = tactic;
   };
+  // NOTE: the split-K arrival counters must be zero at launch; the workspace may be shared with other
+  // work between forwards, so they are cleared here (a few hundred bytes; a memset node in a graph).
+  auto clear_counters = [&](size_t offset, int64_t N) -> cudaError_t {
+    return cudaMemsetAsync(region<char>(ws, offset), 0, kernels::gemm_stream_counter_bytes(tiles, N), stream);
+  };
+  if (tactic.split_k > 1) {
+    cudaError_t e = clear_counters(plan.split1, p.w13_rows());
+    if (e == cudaSuccess) e = clear_counters(plan.split2, p.hidden);
+    if (e != cudaSuccess) return Status::failure(cuda_message("clearing the split-K counters", e));
+  }
   kernels::Gemm1Args g1;
   common(g1, w13_, w13_bytes_, w13_scale_bytes_, alpha1_, p.hidden, p.w13_rows());
   g1.a = g.a1;
@@ -360,6 +396,7 @@ Status GpuMoeRunner::run(cudaStream_t stream, const ForwardArgs& a, bool routed,
   g1.mode = p.act_quant;
   g1.act_scale = act_scale_.as<float>();
   g1.act = region<__nv_bfloat16>(ws, plan.act);
+  g1.split_workspace = region<void>(ws, plan.split1);
   FP4MOE_LAUNCH(4, "gemm1_act", kernels::launch_gemm1_act(g1, stream));
 
   kernels::Gemm2Args g2;
@@ -367,6 +404,7 @@ Status GpuMoeRunner::run(cudaStream_t stream, const ForwardArgs& a, bool routed,
   g2.a = g1.act;
   g2.row_to_entry = pa.row_to_entry;
   g2.y = region<float>(ws, plan.y);
+  g2.split_workspace = region<void>(ws, plan.split2);
   // NOTE: with top-1 routing the finalize is one multiply per element: GEMM2 writes the output itself
   // (saves writing and re-reading y). Precomputed ids keep the separate finalize, which turns an
   // out-of-range id (a token without a GEMM row) into a NaN row.

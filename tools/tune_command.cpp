@@ -2,13 +2,17 @@
 #include "tools/tune_command.hpp"
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <filesystem>
 #include <map>
 #include <tuple>
 #include <vector>
 
+#include "fp4moe/bench.hpp"
 #include "fp4moe/error.hpp"
+#include "fp4moe/presets.hpp"
+#include "fp4moe/runner.hpp"
 #include "fp4moe/tune.hpp"
 
 namespace fp4moe::tools {
@@ -34,6 +38,7 @@ void add_tune_command(CLI::App& app, TuneOptions& o) {
   c->add_option("--max-tokens", o.max_tokens, "Largest token count to tune for (profiling)")
       ->capture_default_str()
       ->check(CLI::Range(int64_t(1), kLastClosedBucketEnd));
+  c->add_option("--mode", o.mode, "w4a16, w4a4_scalar or w4a4_per_expert (profiling)")->capture_default_str();
   c->add_option("--cache", o.cache, "Tune cache file (default: FP4MOE_TUNE_CACHE, else ./fp4moe-tune-cache.json)");
   c->add_flag("--show", o.show, "Print the cache as a table instead of profiling");
   o.command = c;
@@ -83,12 +88,46 @@ int show_tune_cache(const std::string& path) {
   return 0;
 }
 
-// Placeholder until the GPU build provides the profiler (the lead replaces this definition).
-int run_tune_profile(const TuneOptions&) {
-  std::fprintf(stderr,
-               "fp4moe tune: profiling needs the CUDA build (not available in this build yet); "
-               "`fp4moe tune --show` prints an existing cache\n");
-  return 2;
+int run_tune_profile(const TuneOptions& o) {
+  std::string why;
+  if (!cuda_device_available(&why)) {
+    std::fprintf(stderr, "fp4moe tune: profiling needs a Hopper GPU (%s); `fp4moe tune --show` prints an existing cache\n",
+                 why.c_str());
+    return 2;
+  }
+  check(!o.models.empty(), "tune: --model PRESET[,PRESET] is required (or --show)");
+  std::vector<std::string> models;
+  for (size_t at = 0; at <= o.models.size();) {
+    const size_t comma = std::min(o.models.find(',', at), o.models.size());
+    if (comma > at) models.push_back(o.models.substr(at, comma - at));
+    at = comma + 1;
+  }
+  const ActQuant mode = parse_act_quant(o.mode, "--mode");
+  for (const std::string& m : models) (void)preset(m, mode);  // unknown names fail before any GPU work
+  const std::string path = o.cache.empty() ? default_tune_cache_path() : o.cache;
+  TuneCache cache;
+  std::error_code ec;
+  if (std::filesystem::exists(path, ec)) {  // entries of other problems / devices are kept
+    const CacheLoadResult loaded = cache.load(path);
+    for (const std::string& w : loaded.warnings) std::fprintf(stderr, "fp4moe: warning: %s\n", w.c_str());
+  }
+  TuneProfileOptions po;
+  po.max_tokens = o.max_tokens;
+  for (const std::string& m : models) {
+    const auto t0 = std::chrono::steady_clock::now();
+    const std::vector<TuneEntry> entries = tune_problem(m, preset(m, mode), po);
+    int changed = 0;
+    for (const TuneEntry& e : entries) {
+      cache.set(e);
+      changed += e.tactic == e.heuristic ? 0 : 1;
+    }
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    std::printf("tune %s (%s): %zu buckets in %.1f s, %d where the tuned tactic differs from the heuristic\n",
+                m.c_str(), std::string(to_string(mode)).c_str(), entries.size(), s, changed);
+    cache.save(path);  // after each preset: an interrupted run keeps what it measured
+  }
+  std::printf("tune cache: %s\n", path.c_str());
+  return 0;
 }
 
 }  // namespace fp4moe::tools

@@ -16,6 +16,7 @@ namespace fp4moe::tools {
 struct TuneOptions {
   std::string models;          // comma-separated presets (profiling)
   int64_t max_tokens = 16384;  // profile the buckets whose representative T is <= this (profiling)
+  std::string mode = "w4a4_scalar";  // quant mode of the presets (profiling)
   std::string cache;           // "" = default_tune_cache_path()
   bool show = false;           // print the cache instead of profiling
   CLI::App* command = nullptr;

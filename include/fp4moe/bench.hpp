@@ -16,6 +16,7 @@
 #include "fp4moe/problem.hpp"
 #include "fp4moe/reference.hpp"
 #include "fp4moe/tactic.hpp"
+#include "fp4moe/tune.hpp"
 
 namespace fp4moe {
 
@@ -67,5 +68,21 @@ std::vector<BenchRow> bench_model(const std::string& model, const MoeProblem& pr
 std::vector<BenchRow> bench_weights(const std::string& label, const MoeProblem& problem,
                                     const reference::MoeWeights& weights, const std::vector<int64_t>& tokens,
                                     const Ceilings& ceilings, const BenchOptions& options, bool progress = true);
+
+// ---- tuning (`fp4moe tune`) ----
+struct TuneProfileOptions {
+  int64_t max_tokens = 16384;  // buckets whose representative T is <= this (bucket 0, T = 0, has no work)
+  int reps = 15;               // timed graph replays per (bucket, tactic), L2 flushed before each
+  uint64_t seed = 1;
+  bool progress = true;        // a progress line on stderr
+};
+// For every bucket up to max_tokens: times every candidate tactic of the problem (candidate_tactics)
+// at the bucket's representative T on random weights and inputs routed by the problem's method
+// (CUDA-graph replays, median), and returns one entry per bucket with the fastest tactic and the
+// heuristic's time. A candidate whose first replay is more than 3x the best median so far is
+// recorded as slower after that one replay; a tactic within 1.5% of the heuristic's time does not
+// replace it (replay noise). Throws fp4moe::Error on any failure.
+std::vector<TuneEntry> tune_problem(const std::string& label, const MoeProblem& problem,
+                                    const TuneProfileOptions& options);
 
 }  // namespace fp4moe

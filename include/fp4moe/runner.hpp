@@ -68,6 +68,7 @@ class MoeRunner {
   // uploads; not part of the forward path.
   virtual Status prepare_weights(const reference::MoeWeights& weights,
                                  const WeightPrepOptions& options = {}) = 0;
+  // Depends on the tactic choice (split-K tactics need more): ask after force_tactic / use_tune_cache.
   virtual size_t workspace_size(int64_t max_tokens) const = 0;
 
   // Routing from logits, then the layer. Arguments are checked before any launch.

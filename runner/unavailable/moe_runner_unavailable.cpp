@@ -34,4 +34,8 @@ std::vector<BenchRow> bench_weights(const std::string&, const MoeProblem&, const
   unavailable("bench");
 }
 
+std::vector<TuneEntry> tune_problem(const std::string&, const MoeProblem&, const TuneProfileOptions&) {
+  unavailable("tune");
+}
+
 }  // namespace fp4moe

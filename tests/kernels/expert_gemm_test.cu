@@ -1,5 +1,6 @@
-// tests/kernels/expert_gemm_test.cu — the expert GEMMs (launch_gemm1_act, launch_gemm2) and the weight
-// prepack against the CPU oracle (format::dequantize_nvfp4, reference::apply_activation,
+// tests/kernels/expert_gemm_test.cu — the expert GEMMs (launch_gemm1_act, launch_gemm2: ExpertGemmKernel.*;
+// the streaming kernel launch_gemm1_act_stream, launch_gemm2_stream with split_k 1, 3, 5:
+// ExpertGemmStream.*) and the weight prepack against the CPU oracle (format::dequantize_nvfp4, reference::apply_activation,
 // format::quantize_nvfp4), on random problems with ragged experts (0, 1, 9, 17, 63, 64, 65, 4097 rows),
 // shapes that are not tile multiples (K = 2880, 96; N = 192, 2880), every activation and quant mode.
 //
@@ -182,19 +183,36 @@ struct GemmCase {
   uint32_t seed;
 };
 
-// Rows permuted expert-major, the tile table of gemm_tile_rows() (entries past num_tiles poisoned).
+// The kernel under test: its tile size (the tile table is built for it), its launchers, split_k.
+struct GemmKernelUnderTest {
+  std::string name;
+  int tile_rows;
+  int split_k;
+  cudaError_t (*gemm1)(const kernels::Gemm1Args&, int split_k, cudaStream_t);
+  cudaError_t (*gemm2)(const kernels::Gemm2Args&, int split_k, cudaStream_t);
+};
+GemmKernelUnderTest wgmma_kernel() {
+  return {"sm90_wgmma", kernels::gemm_tile_rows(), 1,
+          [](const kernels::Gemm1Args& a, int, cudaStream_t s) { return kernels::launch_gemm1_act(a, s); },
+          [](const kernels::Gemm2Args& a, int, cudaStream_t s) { return kernels::launch_gemm2(a, s); }};
+}
+GemmKernelUnderTest stream_kernel(int split_k) {
+  return {"sm90_stream/s" + std::to_string(split_k), kernels::gemm_stream_tile_rows(), split_k,
+          kernels::launch_gemm1_act_stream, kernels::launch_gemm2_stream};
+}
+
+// Rows permuted expert-major, the tile table of `tile` rows (entries past num_tiles poisoned).
 struct Routing {
   std::vector<int32_t> offsets, tile_expert, tile_row_start, row_to_entry;
   int32_t num_tiles = 0;
   int64_t rows = 0, max_tiles = 0;
 };
-Routing make_routing(const std::vector<int64_t>& counts, std::mt19937& rng) {
+Routing make_routing(const std::vector<int64_t>& counts, std::mt19937& rng, int tile) {
   Routing r;
   const int64_t E = static_cast<int64_t>(counts.size());
   r.offsets.assign(E + 1, 0);
   for (int64_t e = 0; e < E; ++e) r.offsets[e + 1] = r.offsets[e] + static_cast<int32_t>(counts[e]);
   r.rows = r.offsets[E];
-  const int tile = kernels::gemm_tile_rows();
   r.max_tiles = kernels::max_tiles(r.rows, E, tile);
   for (int64_t e = 0; e < E; ++e)
     for (int32_t s = r.offsets[e]; s < r.offsets[e + 1]; s += tile) {
@@ -305,17 +323,53 @@ void fill_common(kernels::ExpertGemmArgs& g, const DeviceWeights& dw, const Devi
 
 constexpr int64_t kGuardRows = 3;  // rows past the end of every output, must stay poisoned
 
+// Runs `launch` (with the split-K workspace when split_k > 1) and downloads `out`. With split_k > 1 it
+// runs twice, the output re-poisoned in between: both runs must agree bit for bit (fixed split order)
+// and the arrival counters must be back at zero (graph replays need no memset).
+template <class T, class Args, class Launch>
+std::vector<T> launch_and_download(Args& g, const GemmKernelUnderTest& k, Launch launch, DeviceBuffer<T>& out,
+                                   int64_t N) {
+  DeviceBuffer<uint8_t> ws;
+  const size_t ws_bytes = k.split_k > 1 ? kernels::gemm_stream_workspace_bytes(g.max_tiles, N, k.split_k) : 0;
+  if (ws_bytes > 0) {
+    ws = DeviceBuffer<uint8_t>(ws_bytes);
+    ws.poison(0);  // zeroed once at allocation
+    g.split_workspace = ws.get();
+  }
+  out.poison(0xFF);
+  EXPECT_EQ(launch(g, k.split_k, nullptr), cudaSuccess);
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  std::vector<T> first = out.download();
+  if (ws_bytes == 0) return first;
+  out.poison(0xFF);
+  EXPECT_EQ(launch(g, k.split_k, nullptr), cudaSuccess);
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  std::vector<T> second = out.download();
+  EXPECT_EQ(0, std::memcmp(first.data(), second.data(), first.size() * sizeof(T))) << "split-K is not deterministic";
+  const std::vector<uint8_t> wsh = ws.download();
+  const int64_t outs = g.max_tiles * ((N + 127) / 128);
+  for (int64_t i = 0; i < outs; ++i) {
+    int32_t c;
+    std::memcpy(&c, wsh.data() + 4 * i, 4);
+    if (c != 0) {
+      ADD_FAILURE() << "split-K counter " << i << " not reset: " << c;
+      break;
+    }
+  }
+  return second;
+}
+
 // Local Lipschitz bound of the activations (see the header comment), times the h errors.
 double act_error(float g, float u, double err_g, double err_u) {
   return (4.0 * (std::fabs(u) + 1.0) + 2.0 * std::fabs(g)) * err_g + (std::fabs(g) + 7.0) * err_u;
 }
 
-void run_gemm1(const GemmCase& c) {
-  SCOPED_TRACE(c.name);
+void run_gemm1(const GemmCase& c, const GemmKernelUnderTest& k = wgmma_kernel()) {
+  SCOPED_TRACE(k.name + " " + c.name);
   std::mt19937 rng(c.seed);
   const bool gated = c.act.kind != Activation::Relu2;
   const int64_t E = c.E, K = c.H, I = c.I, N = gated ? 2 * I : I;
-  const Routing rt = make_routing(c.rows, rng);
+  const Routing rt = make_routing(c.rows, rng, k.tile_rows);
   const int64_t R = rt.rows;
   std::vector<float> a;
   std::vector<uint16_t> abits;
@@ -362,7 +416,6 @@ void run_gemm1(const GemmCase& c) {
   DeviceBuffer<uint16_t> d_a(abuf);
   DeviceBuffer<float> d_alpha(alpha), d_act_scale(act_scale);
   DeviceBuffer<uint16_t> d_out(static_cast<size_t>((R + kGuardRows) * I));
-  d_out.poison(0xFF);
   ASSERT_TRUE(d_a.ok() && d_out.ok() && dw.w.ok() && dw.s.ok());
 
   kernels::Gemm1Args g;
@@ -371,9 +424,9 @@ void run_gemm1(const GemmCase& c) {
   g.mode = c.mode;
   g.act_scale = d_act_scale.get();
   g.act = reinterpret_cast<__nv_bfloat16*>(d_out.get());
-  CUDA_ASSERT(kernels::launch_gemm1_act(g, nullptr));
-  CUDA_ASSERT(cudaDeviceSynchronize());
-  const std::vector<uint16_t> out = d_out.download();
+  const std::vector<uint16_t> out = launch_and_download(g, k, k.gemm1, d_out, N);
+  ASSERT_FALSE(::testing::Test::HasFatalFailure());
+  ASSERT_EQ(out.size(), static_cast<size_t>((R + kGuardRows) * I));
 
   for (int64_t i = R * I; i < (R + kGuardRows) * I; ++i)
     ASSERT_EQ(out[i], 0xFFFF) << "write past the last row at element " << i;
@@ -407,11 +460,12 @@ void run_gemm1(const GemmCase& c) {
   }
 }
 
-void run_gemm2(const GemmCase& c) {
-  SCOPED_TRACE(c.name);
+// fused: top-1 fused finalize (out = bf16(0 + w * y), random weights) instead of y.
+void run_gemm2(const GemmCase& c, const GemmKernelUnderTest& k = wgmma_kernel(), bool fused = false) {
+  SCOPED_TRACE(k.name + " " + c.name + (fused ? " fused" : ""));
   std::mt19937 rng(c.seed + 1000);
   const int64_t E = c.E, K = c.I, N = c.H;
-  const Routing rt = make_routing(c.rows, rng);
+  const Routing rt = make_routing(c.rows, rng, k.tile_rows);
   const int64_t R = rt.rows;
   std::vector<float> a;
   std::vector<uint16_t> abits;
@@ -428,17 +482,43 @@ void run_gemm2(const GemmCase& c) {
   if (abuf.empty()) abuf.push_back(0);
   DeviceBuffer<uint16_t> d_a(abuf);
   DeviceBuffer<float> d_alpha(alpha);
-  DeviceBuffer<float> d_y(static_cast<size_t>((R + kGuardRows) * N));
-  d_y.poison(0xFF);
-  ASSERT_TRUE(d_a.ok() && d_y.ok());
-
   kernels::Gemm2Args g;
   fill_common(g, dw, dr, rt, reinterpret_cast<const __nv_bfloat16*>(d_a.get()), d_alpha.get(), E, N, K);
   g.row_to_entry = dr.row_to_entry.get();
+  if (fused) {
+    std::uniform_real_distribution<float> uw(0.1f, 1.0f);
+    std::vector<float> wts(static_cast<size_t>(std::max<int64_t>(R, 1)));
+    for (auto& x : wts) x = uw(rng);
+    DeviceBuffer<float> d_w(wts);
+    DeviceBuffer<uint16_t> d_o(static_cast<size_t>((R + kGuardRows) * N));
+    ASSERT_TRUE(d_a.ok() && d_o.ok() && d_w.ok());
+    g.out = reinterpret_cast<__nv_bfloat16*>(d_o.get());
+    g.out_weights = d_w.get();
+    const std::vector<uint16_t> o = launch_and_download(g, k, k.gemm2, d_o, N);
+    ASSERT_FALSE(::testing::Test::HasFatalFailure());
+    for (int64_t i = R * N; i < (R + kGuardRows) * N; ++i)
+      ASSERT_EQ(o[i], 0xFFFF) << "write past the last entry at element " << i;
+    int64_t bad = 0;
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t entry = rt.row_to_entry[r];
+      for (int64_t n = 0; n < N; ++n) {
+        const float got = bf16_bits_to_float(o[entry * N + n]);
+        const double want = static_cast<double>(wts[entry]) * ref.h[r * N + n];
+        const double tol = bf16_ulp(want) + wts[entry] * (1e-5 * ref.abs_sum[r * N + n]) + 1e-30;
+        if (!(std::fabs(got - want) <= tol) && bad++ < 10)
+          ADD_FAILURE() << "row " << r << " (entry " << entry << ") n " << n << ": got " << got << ", want " << want
+                        << " (tol " << tol << ")";
+      }
+    }
+    EXPECT_EQ(bad, 0);
+    return;
+  }
+  DeviceBuffer<float> d_y(static_cast<size_t>((R + kGuardRows) * N));
+  ASSERT_TRUE(d_a.ok() && d_y.ok());
   g.y = d_y.get();
-  CUDA_ASSERT(kernels::launch_gemm2(g, nullptr));
-  CUDA_ASSERT(cudaDeviceSynchronize());
-  const std::vector<float> y = d_y.download();
+  const std::vector<float> y = launch_and_download(g, k, k.gemm2, d_y, N);
+  ASSERT_FALSE(::testing::Test::HasFatalFailure());
+  ASSERT_EQ(y.size(), static_cast<size_t>((R + kGuardRows) * N));
 
   for (int64_t i = R * N; i < (R + kGuardRows) * N; ++i)
     ASSERT_EQ(test::float_bits(y[i]), 0xFFFFFFFFu) << "write past the last entry at element " << i;
@@ -567,6 +647,154 @@ TEST(ExpertGemmKernel, RejectsBadArguments) {
   g1.mode = ActQuant::W4A16;
   g1.act = nullptr;
   EXPECT_EQ(kernels::launch_gemm1_act(g1, nullptr), cudaErrorInvalidValue);
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+}
+
+// ---- the streaming kernel (GemmKernel::Sm90Stream): the same cases, split_k 1 and 3 ----------------------
+// K = 2880 (23 chunks: 23 = 8 + 8 + 7 with split 3), K = 256 (2 chunks: split 3 leaves an empty split),
+// K = 2048 (16 chunks), K = 96 (one chunk). The ragged rows cover both mma widths (<= 8, <= 16 rows) and
+// multi-tile experts (16-row tiles).
+std::vector<GemmKernelUnderTest> stream_kernels() { return {stream_kernel(1), stream_kernel(3)}; }
+
+TEST(ExpertGemmStream, Gemm1TinySwiglu) {
+  FP4MOE_REQUIRE_SM90();
+  for (const auto& k : stream_kernels()) {
+    run_gemm1({"tiny", 1, 32, 16, {1}, act_of(Activation::SwiGLU), ActQuant::W4A16, 11}, k);
+    run_gemm1({"tiny-w4a4", 2, 64, 32, {3, 0}, act_of(Activation::SwiGLU), ActQuant::W4A4Scalar, 12}, k);
+  }
+}
+
+TEST(ExpertGemmStream, Gemm2Tiny) {
+  FP4MOE_REQUIRE_SM90();
+  for (const auto& k : stream_kernels()) {
+    run_gemm2({"tiny", 1, 32, 16, {1}, act_of(Activation::SwiGLU), ActQuant::W4A16, 13}, k);
+    run_gemm2({"tiny-2", 2, 48, 96, {0, 7}, act_of(Activation::SwiGLU), ActQuant::W4A16, 14}, k);
+  }
+}
+
+TEST(ExpertGemmStream, Gemm1GptOssShapes) {
+  FP4MOE_REQUIRE_SM90();
+  ActivationParams oai = act_of(Activation::SwiGLUOai);
+  for (const auto& k : stream_kernels()) {
+    run_gemm1({"oai-w4a16", 4, 2880, 96, {0, 1, 63, 65}, oai, ActQuant::W4A16, 21}, k);
+    run_gemm1({"oai-w4a4", 4, 2880, 96, {2, 64, 0, 17}, oai, ActQuant::W4A4PerExpert, 22}, k);
+    run_gemm1({"oai-decode", 4, 2880, 96, {1, 8, 9, 16}, oai, ActQuant::W4A4Scalar, 24}, k);
+  }
+}
+
+TEST(ExpertGemmStream, Gemm2GptOssShapes) {
+  FP4MOE_REQUIRE_SM90();
+  for (const auto& k : stream_kernels()) {
+    run_gemm2({"oai", 4, 2880, 96, {0, 1, 63, 65}, act_of(Activation::SwiGLU), ActQuant::W4A16, 23}, k);
+    run_gemm2({"oai-k2880", 3, 96, 2880, {5, 16, 9}, act_of(Activation::SwiGLU), ActQuant::W4A16, 25}, k);
+  }
+}
+
+TEST(ExpertGemmStream, Gemm1RaggedExperts) {
+  FP4MOE_REQUIRE_SM90();
+  for (const auto& k : stream_kernels()) {
+    run_gemm1({"swiglu-w4a16", 16, 256, 128, kRagged16, act_of(Activation::SwiGLU), ActQuant::W4A16, 31}, k);
+    run_gemm1({"geglu-w4a4", 16, 256, 144, kRagged16, act_of(Activation::GeGLU), ActQuant::W4A4Scalar, 32}, k);
+  }
+}
+
+TEST(ExpertGemmStream, Gemm2RaggedExperts) {
+  FP4MOE_REQUIRE_SM90();
+  for (const auto& k : stream_kernels())
+    run_gemm2({"ragged", 16, 272, 256, kRagged16, act_of(Activation::SwiGLU), ActQuant::W4A16, 33}, k);
+}
+
+TEST(ExpertGemmStream, Gemm1Relu2) {
+  FP4MOE_REQUIRE_SM90();
+  for (const auto& k : stream_kernels()) {
+    run_gemm1({"relu2-w4a16", 4, 384, 320, {70, 0, 1, 130}, act_of(Activation::Relu2), ActQuant::W4A16, 41}, k);
+    run_gemm1({"relu2-w4a4", 4, 384, 320, {70, 0, 1, 130}, act_of(Activation::Relu2), ActQuant::W4A4PerExpert, 42},
+              k);
+  }
+}
+
+TEST(ExpertGemmStream, LargerShapes) {
+  FP4MOE_REQUIRE_SM90();
+  for (const auto& k : {stream_kernel(1), stream_kernel(3), stream_kernel(5)}) {
+    run_gemm1({"deep", 2, 2048, 384, {300, 129}, act_of(Activation::SwiGLU), ActQuant::W4A16, 51}, k);
+    run_gemm2({"deep", 2, 1024, 1536, {300, 129}, act_of(Activation::SwiGLU), ActQuant::W4A16, 52}, k);
+  }
+}
+
+TEST(ExpertGemmStream, Gemm2FusedFinalize) {  // top-1: out = bf16(0 + w * y), y not written
+  FP4MOE_REQUIRE_SM90();
+  for (const auto& k : stream_kernels())
+    run_gemm2({"top1", 4, 272, 2880, {1, 0, 9, 20}, act_of(Activation::SwiGLU), ActQuant::W4A16, 53}, k, true);
+}
+
+TEST(ExpertGemmStream, NoRowsLaunchesNothing) {
+  FP4MOE_REQUIRE_SM90();
+  for (const auto& k : stream_kernels()) {
+    run_gemm1({"empty", 4, 64, 32, {0, 0, 0, 0}, act_of(Activation::SwiGLU), ActQuant::W4A16, 61}, k);
+    run_gemm2({"empty", 4, 64, 32, {0, 0, 0, 0}, act_of(Activation::SwiGLU), ActQuant::W4A16, 62}, k);
+  }
+}
+
+TEST(ExpertGemmStream, RejectsBadArguments) {
+  FP4MOE_REQUIRE_SM90();
+  std::mt19937 rng(72);
+  const CanonicalWeights cw = random_weights(rng, 1, 32, 64);
+  DeviceWeights dw;
+  upload_weights(cw, 1, 32, 64, dw);
+  DeviceBuffer<int32_t> dummy(std::vector<int32_t>(8, 0));
+  DeviceBuffer<float> f(std::vector<float>(64, 1.0f));
+  DeviceBuffer<uint16_t> a(std::vector<uint16_t>(64, 0));
+  auto base = [&](kernels::ExpertGemmArgs& g) {
+    g.a = reinterpret_cast<const __nv_bfloat16*>(a.get());
+    g.w = dw.w.get();
+    g.w_scale = dw.s.get();
+    g.weights = dw.info;
+    g.alpha = f.get();
+    g.expert_offsets = dummy.get();
+    g.tile_expert = dummy.get();
+    g.tile_row_start = dummy.get();
+    g.num_tiles = dummy.get();
+    g.max_tiles = 1;
+    g.num_experts = 1;
+    g.K = 64;
+    g.N = 32;
+  };
+  kernels::Gemm2Args g2;
+  base(g2);
+  g2.row_to_entry = dummy.get();
+  g2.y = f.get();
+  kernels::Gemm2Args bad = g2;
+  bad.K = 48;  // does not match the prepacked weights
+  EXPECT_EQ(kernels::launch_gemm2_stream(bad, 1, nullptr), cudaErrorInvalidValue);
+  bad = g2;
+  bad.N = 24;  // not a multiple of 16
+  EXPECT_EQ(kernels::launch_gemm2_stream(bad, 1, nullptr), cudaErrorInvalidValue);
+  bad = g2;
+  bad.y = nullptr;
+  EXPECT_EQ(kernels::launch_gemm2_stream(bad, 1, nullptr), cudaErrorInvalidValue);
+  bad = g2;
+  bad.a = reinterpret_cast<const __nv_bfloat16*>(reinterpret_cast<const char*>(a.get()) + 2);  // misaligned
+  EXPECT_EQ(kernels::launch_gemm2_stream(bad, 1, nullptr), cudaErrorInvalidValue);
+  EXPECT_EQ(kernels::launch_gemm2_stream(g2, 0, nullptr), cudaErrorInvalidValue);  // split_k < 1
+  EXPECT_EQ(kernels::launch_gemm2_stream(g2, kernels::kMaxStreamSplitK + 1, nullptr), cudaErrorInvalidValue);
+  EXPECT_EQ(kernels::launch_gemm2_stream(g2, 2, nullptr), cudaErrorInvalidValue);  // split_k 2, no workspace
+  bad = g2;
+  bad.split_workspace = reinterpret_cast<char*>(f.get()) + 4;  // misaligned workspace
+  EXPECT_EQ(kernels::launch_gemm2_stream(bad, 2, nullptr), cudaErrorInvalidValue);
+  kernels::Gemm1Args g1;
+  base(g1);
+  g1.act = reinterpret_cast<__nv_bfloat16*>(a.get());
+  g1.mode = ActQuant::W4A4Scalar;
+  g1.act_scale = nullptr;  // needed by w4a4
+  EXPECT_EQ(kernels::launch_gemm1_act_stream(g1, 1, nullptr), cudaErrorInvalidValue);
+  g1.mode = ActQuant::W4A16;
+  g1.act = nullptr;
+  EXPECT_EQ(kernels::launch_gemm1_act_stream(g1, 1, nullptr), cudaErrorInvalidValue);
+  g1.act = reinterpret_cast<__nv_bfloat16*>(a.get());
+  EXPECT_EQ(kernels::launch_gemm1_act_stream(g1, 3, nullptr), cudaErrorInvalidValue);  // no workspace
+  EXPECT_EQ(kernels::gemm_stream_tile_rows(), 16);
+  EXPECT_EQ(kernels::gemm_stream_workspace_bytes(4, 256, 1), 0u);
+  EXPECT_GE(kernels::gemm_stream_workspace_bytes(4, 256, 3), size_t{4 * 2 * 3 * 256 * 8 * 4});
   EXPECT_EQ(cudaGetLastError(), cudaSuccess);
 }
 

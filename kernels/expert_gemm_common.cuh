@@ -1,0 +1,49 @@
+// kernels/expert_gemm_common.cuh — argument checks and kernel parameters shared by the launchers of
+// the expert GEMMs (expert_gemm.cu: the wgmma kernel, expert_gemm_stream.cu: the streaming kernel).
+#pragma once
+
+#include <climits>
+#include <cstdint>
+
+#include "kernels/expert_gemm_sm90.cuh"
+#include "kernels/launch.hpp"
+
+namespace fp4moe::kernels::gemm_detail {
+
+inline bool aligned(const void* p, uintptr_t a) { return reinterpret_cast<uintptr_t>(p) % a == 0; }
+
+// Shapes, the prepacked weights' shape, null or misaligned pointers (nothing is checked past the
+// shapes when max_tiles == 0: nothing will be launched).
+inline bool common_args_valid(const ExpertGemmArgs& a) {
+  const PrepackedWeights& pw = a.weights;
+  if (a.K <= 0 || a.K % 16 != 0 || a.N <= 0 || a.N % 16 != 0 || a.K > INT_MAX / 2 || a.N > INT_MAX / 2) return false;
+  if (a.num_experts <= 0 || a.max_tiles < 0 || a.max_tiles > INT_MAX) return false;
+  if (pw.num_experts != a.num_experts || pw.rows != a.N || pw.cols != a.K ||
+      pw.padded_cols != (a.K + fp4layout::kChunkK - 1) / fp4layout::kChunkK * fp4layout::kChunkK)
+    return false;
+  if (a.max_tiles == 0) return true;  // nothing will be launched
+  if (!a.a || !a.w || !a.w_scale || !a.alpha || !a.expert_offsets || !a.tile_expert || !a.tile_row_start ||
+      !a.num_tiles)
+    return false;
+  return aligned(a.a, 16) && aligned(a.w, 16) && aligned(a.w_scale, 16);
+}
+
+inline sm90gemm::Params common_params(const ExpertGemmArgs& a) {
+  sm90gemm::Params p{};
+  p.a = a.a;
+  p.w = a.w;
+  p.w_scale = a.w_scale;
+  p.alpha = a.alpha;
+  p.expert_offsets = a.expert_offsets;
+  p.tile_expert = a.tile_expert;
+  p.tile_row_start = a.tile_row_start;
+  p.num_tiles = a.num_tiles;
+  p.max_tiles = static_cast<int>(a.max_tiles);
+  p.K = static_cast<int>(a.K);
+  p.N = static_cast<int>(a.N);
+  p.groups = static_cast<int>(a.N / fp4layout::kRowsPerGroup);
+  p.chunks = static_cast<int>(a.weights.padded_cols / fp4layout::kChunkK);
+  return p;
+}
+
+}  // namespace fp4moe::kernels::gemm_detail

@@ -1,0 +1,114 @@
+// kernels/expert_gemm_stream.cu — launchers of the streaming expert GEMM
+// (kernels/expert_gemm_stream_sm90.cuh, GemmKernel::Sm90Stream).
+//
+//   1. Check the arguments as launch_gemm1_act / launch_gemm2 do (cudaErrorInvalidValue), plus
+//      split_k in [1, kMaxStreamSplitK] and, for split_k > 1, the workspace.
+//   2. Grid (1-D): max_tiles tiles x split_k x CTAs along N (128 weight rows; gated GEMM1: 64
+//      intermediate columns), 256 threads, 16 KiB of static shared memory; CTAs past *num_tiles leave.
+//   3. Two instantiations: GEMM1 (gated or relu2, bf16 or NVFP4 output, at run time) and GEMM2.
+// Workspace (split_k > 1): [counters: outs int32, padded to 256 B][partials: outs * split_k * 8 KiB],
+// outs = max_tiles * ceil(N / 128).
+#define FP4MOE_SM90GEMM_HELPERS_ONLY 1  // the wgmma kernel itself is defined in expert_gemm.cu
+
+#include <cuda_runtime.h>
+
+#include <climits>
+#include <cstdint>
+
+#include "kernels/expert_gemm_common.cuh"
+#include "kernels/expert_gemm_stream_sm90.cuh"
+#include "kernels/launch.hpp"
+
+namespace fp4moe::kernels {
+namespace {
+
+using gemm_detail::aligned;
+using gemm_detail::common_args_valid;
+using gemm_detail::common_params;
+namespace ss = sm90stream;
+
+int64_t n_ctas_of(int64_t N_rows) { return (N_rows + ss::kRowsPerCta - 1) / ss::kRowsPerCta; }
+int64_t counter_bytes(int64_t outs) { return (outs * 4 + 255) / 256 * 256; }
+
+// split_k and the workspace; fills the split fields of sp.
+bool split_valid(const ExpertGemmArgs& a, int split_k, ss::StreamParams& sp) {
+  if (split_k < 1 || split_k > kMaxStreamSplitK) return false;
+  sp.split_k = split_k;
+  sp.chunks_per_split = (sp.base.chunks + split_k - 1) / split_k;
+  sp.counters = nullptr;
+  sp.partials = nullptr;
+  if (split_k == 1 || a.max_tiles == 0) return true;
+  if (!a.split_workspace || !aligned(a.split_workspace, 16)) return false;
+  const int64_t outs = a.max_tiles * n_ctas_of(a.N);
+  sp.counters = static_cast<int32_t*>(a.split_workspace);
+  sp.partials = reinterpret_cast<float*>(static_cast<uint8_t*>(a.split_workspace) + counter_bytes(outs));
+  return true;
+}
+
+template <bool kGemm2>
+cudaError_t launch(ss::StreamParams sp, cudaStream_t stream) {
+  if (sp.base.max_tiles == 0) return cudaSuccess;
+  const int64_t n_ctas = n_ctas_of(sp.base.N);
+  const int64_t ctas = static_cast<int64_t>(sp.base.max_tiles) * sp.split_k * n_ctas;
+  if (ctas > INT_MAX) return cudaErrorInvalidConfiguration;
+  sp.base.n_ctas = static_cast<int>(n_ctas);
+  ss::expert_gemm_stream_kernel<kGemm2><<<static_cast<unsigned>(ctas), ss::kThreads, 0, stream>>>(sp);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+int gemm_stream_tile_rows() { return ss::kTileRows; }
+
+size_t gemm_stream_workspace_bytes(int64_t max_tiles, int64_t N_rows, int split_k) {
+  if (split_k <= 1 || max_tiles <= 0 || N_rows <= 0) return 0;
+  const int64_t outs = max_tiles * n_ctas_of(N_rows);
+  return static_cast<size_t>(counter_bytes(outs) + outs * split_k * int64_t{ss::kPartialFloats} * 4);
+}
+
+size_t gemm_stream_counter_bytes(int64_t max_tiles, int64_t N_rows) {
+  if (max_tiles <= 0 || N_rows <= 0) return 0;
+  return static_cast<size_t>(counter_bytes(max_tiles * n_ctas_of(N_rows)));
+}
+
+cudaError_t launch_gemm1_act_stream(const Gemm1Args& args, int split_k, cudaStream_t stream) {
+  if (!common_args_valid(args)) return cudaErrorInvalidValue;
+  const bool gated = args.activation.kind != Activation::Relu2;
+  if (gated && args.N % 32 != 0) return cudaErrorInvalidValue;  // I = N/2 must be a multiple of 16
+  const int64_t I = gated ? args.N / 2 : args.N;
+  const bool quantize = args.mode != ActQuant::W4A16;
+  if (args.max_tiles > 0) {
+    if (!args.act || !aligned(args.act, 16)) return cudaErrorInvalidValue;
+    if (quantize && !args.act_scale) return cudaErrorInvalidValue;
+  }
+  ss::StreamParams sp{};
+  sp.base = common_params(args);
+  if (!split_valid(args, split_k, sp)) return cudaErrorInvalidValue;
+  sm90gemm::Params& p = sp.base;
+  p.epilogue = gated ? sm90gemm::Epilogue::Gemm1Gated : sm90gemm::Epilogue::Gemm1Plain;
+  p.act = args.activation;
+  p.quantize = quantize ? 1 : 0;
+  p.act_scale = args.act_scale;
+  p.act_out = args.act;
+  p.out_cols = static_cast<int>(I);
+  return launch<false>(sp, stream);
+}
+
+cudaError_t launch_gemm2_stream(const Gemm2Args& args, int split_k, cudaStream_t stream) {
+  if (!common_args_valid(args)) return cudaErrorInvalidValue;
+  if (args.max_tiles > 0 && (!args.row_to_entry || (!args.y && !args.out) || (args.y && !aligned(args.y, 4))))
+    return cudaErrorInvalidValue;
+  ss::StreamParams sp{};
+  sp.base = common_params(args);
+  if (!split_valid(args, split_k, sp)) return cudaErrorInvalidValue;
+  sm90gemm::Params& p = sp.base;
+  p.epilogue = sm90gemm::Epilogue::Gemm2;
+  p.row_to_entry = args.row_to_entry;
+  p.y = args.y;
+  p.out = args.out;
+  p.out_weights = args.out_weights;
+  p.out_cols = static_cast<int>(args.N);
+  return launch<true>(sp, stream);
+}
+
+}  // namespace fp4moe::kernels

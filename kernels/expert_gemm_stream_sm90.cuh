@@ -1,0 +1,390 @@
+// kernels/expert_gemm_stream_sm90.cuh — the streaming ("decode") NVFP4 expert GEMM for sm_90a, for few
+// token rows per expert (1..16 per tile). At decode the layer is bound by reading the FP4 weights from
+// HBM, so this kernel puts many warps on every SM, each streaming its own weight rows straight from
+// global memory into registers with several K chunks in flight, decoding them with the register
+// decoder of expert_gemm_layout.cuh and feeding mma.sync m16n8k16 (no warpgroup-wide syncs); the
+// tokens are the MMA N dimension (swap AB), 8 per mma.
+//
+// CTA = 256 threads (8 warps), 2 CTAs per SM (__launch_bounds__(256, 2): <= 128 registers), over
+//   one tile (expert e, <= 16 token rows) x 128 weight rows x the K chunks of its split:
+//     plain / GEMM2: warp w owns the m16 tile of row groups 16*ntile + 2w (rows g) and 2w+1 (rows g+8);
+//     gated GEMM1:   warp w owns gate row group ig = 8*ntile + w (rows g) and up row group I/8 + ig
+//                    (rows g+8), so the CTA covers the 64 intermediate columns [64*ntile, +64).
+//   Grid (1-D): blockIdx.x = (tile * split_k + split) * n_ctas + ntile; CTAs past *num_tiles leave.
+//   Split s covers K chunks [s*cps, min(chunks, (s+1)*cps)), cps = ceil(chunks / split_k) (may be empty).
+//
+// Steps, per CTA:
+//   1. Prologue: every lane loads its 16-byte weight word of both row groups (prepacked layout: 512 B
+//      per (row group, chunk), lane*16) and its 8 scale bytes (g*8 in the chunk's 64) for the first
+//      kDepth chunks into a register ring (ld.global.nc.L1::no_allocate, 2 x 16 B + 2 x 8 B per chunk);
+//      all 256 threads cp.async the tile's activations of the first kDepth-1 chunks into a
+//      shared-memory ring [kDepth][16 rows][128 cols] bf16 (one 16-byte copy per thread per chunk;
+//      rows past the tile and columns past K are zero-filled, nothing past a row is read).
+//   2. Per chunk kc (ring slot d = (kc - c0) % kDepth, compile-time: the loop is unrolled by kDepth):
+//        wait for chunk kc's activation group, __syncthreads (chunk kc visible to all, chunk kc-1's
+//        stage free), cp.async chunk kc+kDepth-1 into that stage; then per word q (k16 steps 2q,
+//        2q+1) of the ring slot: decode_word + decode_scale_pair + bf16x2 multiplies -> A fragments
+//        (rows g / g+8), ldmatrix (x4: both n8 halves; x2 when NT = 8) -> B fragments, mma.sync per
+//        n8 half; then the slot is refilled with chunk kc+kDepth.
+//   3. split_k > 1: every CTA stores its accumulators (fragment order, 8 floats per thread) as the
+//      split's partial; the last CTA to arrive on the output tile's counter (atomicAdd) resets the
+//      counter to 0 and sums the partials in split order 0..split_k-1 (deterministic), then runs 4.
+//   4. Epilogue, h = alpha[e] * (2^8 * acc):
+//        GEMM1: staged through shared memory [128 rows][kStgStride] fp32 (gated: gate i at row i, up i
+//               at row 64 + i; relu2: weight row n at row n), then sm90gemm::gemm1_epilogue's items
+//               (token, 16 columns): activation, bf16 or NVFP4 fake-quantization, as the wgmma kernel.
+//        GEMM2: fp32 y[row_to_entry[row] * N + n] from the registers, or the top-1 fused finalize.
+//
+// Shapes (PTX ISA mma.m16n8k16 .row.col .bf16, f32 accumulators; lane = 4g + t):
+//   A 16x16 (weights, registers): a0 = row g cols 2t..2t+1, a1 = row g+8, a2 = row g cols 2t+8.., a3
+//   B 16x8 (tokens, .col): b0 = B[k = 2t, 2t+1][n = g], b1 = B[k = 2t+8, 2t+9][n = g]
+//     = activation row g, 2 consecutive K values: ldmatrix (non-transposed) of an 8x8 b16 matrix whose
+//     8 rows are 8 tokens' 16-byte K segments gives lane (g, t) exactly that row g, elements 2t, 2t+1.
+//   D 16x8: c0, c1 = row g, tokens 2t, 2t+1; c2, c3 = row g+8, same tokens.
+//   acc[h][4]: n8 half h (tokens 8h..8h+7); NT = 8 (valid rows <= 8) runs half 0 only.
+//
+// NOTE (why registers, not shared memory, for the weights): every weight byte is used by exactly one
+// warp, so staging it in shared memory costs an extra write + read per byte and a barrier; straight
+// 16-byte loads per lane are coalesced (a warp reads the row group's 512 contiguous bytes) and
+// consecutive chunks of a row group are adjacent in the prepacked layout (L2::256B prefetch hint).
+// In flight per SM: 16 warps x (kDepth - 1..kDepth) chunks x 1152 B ~ 55-74 KB, above the ~30 KB
+// that the bandwidth-latency product of one SM's share of HBM needs (32 GB/s x ~1 us).
+// NOTE (activations in shared memory): the <= 16 token rows are shared by the 8 warps; fragments
+// loaded from global by every warp would cost 16 x 4-byte loads per lane per chunk and n8 half.
+// The stage rows are 256 B apart, so the 16-byte segment c of row r is stored at c ^ (r & 7): the 8
+// row addresses of one ldmatrix matrix then fall into 8 different 16-byte bank groups.
+// NOTE (cost): per chunk a lane decodes 64 weights with ~8 x 9 LOP/SHF + 8 scale + 16 HMUL2 ~ 1.9
+// instructions per weight, 8 ldmatrix and 8 or 16 mma.sync.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels/expert_gemm_layout.cuh"
+#include "kernels/expert_gemm_sm90.cuh"
+#include "kernels/nvfp4_device.cuh"
+
+namespace fp4moe::kernels::sm90stream {
+
+using sm90gemm::Epilogue;
+using sm90gemm::Params;
+
+inline constexpr int kTileRows = 16;                      // token rows per tile (gemm_stream_tile_rows())
+inline constexpr int kThreads = 256;                      // 8 warps
+inline constexpr int kWarps = kThreads / 32;
+inline constexpr int kRowsPerCta = 16 * kWarps;           // 128 weight rows (gated: 64 gate + 64 up)
+inline constexpr int kGroupsPerCta = kRowsPerCta / 8;     // 16 row groups
+// Chunks in flight: weight register ring slots = activation stages. A slot is refilled right after it
+// is decoded, so chunks kc+1..kc+kDepth-1 are in flight while chunk kc is decoded, kc+kDepth after.
+// NOTE: copying a slot out before refilling it (one more chunk in flight) cost > 128 registers at
+// kDepth 4 (spills) and ~40 register moves per chunk at kDepth 3.
+inline constexpr int kDepth = 4;
+inline constexpr int kActRowBytes = fp4layout::kChunkK * 2;          // 256: 128 bf16
+inline constexpr int kActStageBytes = kTileRows * kActRowBytes;      // 4 KiB
+inline constexpr int kSmemBytes = kDepth * kActStageBytes;           // 16 KiB (static)
+inline constexpr int kStgStride = 24;  // floats per staging row: float2 writes of 8 rows x 4 lanes conflict-free
+inline constexpr int kPartialFloats = kThreads * 8;       // one split's partial of an output tile
+static_assert(kRowsPerCta * kStgStride * 4 <= kSmemBytes, "GEMM1 staging must fit the activation ring");
+static_assert(kThreads == sm90gemm::kConsumerThreads, "gemm1_epilogue's items are strided by 256 threads");
+static_assert(kTileRows * (kActRowBytes / 16) == kThreads, "one 16-byte activation copy per thread per chunk");
+
+struct StreamParams {
+  Params base;               // shared with the wgmma kernel (n_ctas = CTAs along N)
+  int split_k;               // CTAs along K per output tile
+  int chunks_per_split;      // ceil(chunks / split_k)
+  int32_t* counters;         // [max_tiles * n_ctas] arrival counters (split_k > 1), zero between launches
+  float* partials;           // [max_tiles * n_ctas * split_k][kPartialFloats] (split_k > 1)
+};
+
+// ---- PTX wrappers -----------------------------------------------------------------------------------
+// Streaming weight loads: read once, never reused by this SM (no L1 allocation); 256-byte L2 prefetch
+// (the next chunk of a row group follows its current one).
+__device__ __forceinline__ uint4 ldg_stream128(const uint8_t* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+__device__ __forceinline__ uint2 ldg_stream64(const uint8_t* p) {
+  uint2 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+  return v;
+}
+// "memory": the shared-memory reads stay after the __syncthreads that publishes the stage.
+__device__ __forceinline__ void ldsm_x4(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+               : "r"(addr)
+               : "memory");
+}
+__device__ __forceinline__ void ldsm_x2(uint32_t addr, uint32_t& r0, uint32_t& r1) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];" : "=r"(r0), "=r"(r1) : "r"(addr) : "memory");
+}
+// D[16 x 8] += A[16 x 16] * B[16 x 8], bf16 inputs, f32 accumulators.
+__device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// ---- main loop ----------------------------------------------------------------------------------------
+// Chunks [c0, c1) of this CTA's split. w_a / w_b / s_a / s_b: this lane's weight word / scale bytes of
+// chunk c0 of the warp's two row groups (rows g, rows g+8); wvalid: the warp's rows lie inside N
+// (warp-uniform; otherwise it loads and computes nothing but still takes part in the barriers).
+// a_src: this thread's activation row (token row tid/16 of the tile) or nullptr past the tile's rows.
+template <int NT>
+__device__ __forceinline__ void mainloop(const Params& p, uint32_t smem_base, const uint8_t* w_a, const uint8_t* w_b,
+                                         const uint8_t* s_a, const uint8_t* s_b, const bool wvalid,
+                                         const __nv_bfloat16* a_src, int c0, int c1, float (&acc)[2][4]) {
+  const int tid = threadIdx.x, lane = tid % 32;
+  // Activation copy of this thread: row r, 16-byte segment c, stored swizzled at c ^ (r & 7).
+  const int cr = tid / 16, cc = tid % 16;
+  const uint32_t copy_dst = smem_base + cr * kActRowBytes + ((cc ^ (cr & 7)) << 4);
+  auto issue_act = [&](int kc, int stage) {
+    if (kc < c1) {
+      const int col = kc * fp4layout::kChunkK + cc * 8;
+      const bool ok = a_src != nullptr && col < p.K;  // K % 16 == 0: a segment is wholly in or out
+      sm90gemm::cp_async16(copy_dst + stage * kActStageBytes, ok ? a_src + col : p.a, ok ? 16u : 0u);
+    }
+    sm90gemm::cp_async_commit();  // always (possibly empty): one group per chunk slot keeps the count
+  };
+  // ldmatrix row address of this lane: matrices (tokens 0-7, seg 2s), (0-7, 2s+1), (8-15, 2s), (8-15, 2s+1)
+  // for lanes 0-7, 8-15, 16-23, 24-31 (x2 uses the first two). Segment (2s + hi) ^ (r & 7) = 2s ^ lx.
+  const int lr = (lane & 7) + ((lane >> 4) << 3), lx = ((lane >> 3) & 1) ^ (lane & 7);
+  const uint32_t ldsm_base = smem_base + lr * kActRowBytes;
+
+  // Weight ring: slot d holds chunk c0 + d + kDepth * i. The pointers advance with the loads.
+  uint4 ring_wa[kDepth], ring_wb[kDepth];
+  uint2 ring_sa[kDepth], ring_sb[kDepth];
+  auto load_weights = [&](int d) {
+    ring_wa[d] = ldg_stream128(w_a);
+    ring_wb[d] = ldg_stream128(w_b);
+    ring_sa[d] = ldg_stream64(s_a);
+    ring_sb[d] = ldg_stream64(s_b);
+    w_a += fp4layout::kChunkBytes;
+    w_b += fp4layout::kChunkBytes;
+    s_a += fp4layout::kChunkScaleBytes;
+    s_b += fp4layout::kChunkScaleBytes;
+  };
+#pragma unroll
+  for (int d = 0; d < kDepth; ++d) {
+    if (wvalid && c0 + d < c1) {
+      load_weights(d);
+    } else {
+      ring_wa[d] = ring_wb[d] = make_uint4(0, 0, 0, 0);
+      ring_sa[d] = ring_sb[d] = make_uint2(0, 0);
+    }
+  }
+#pragma unroll
+  for (int d = 0; d < kDepth - 1; ++d) issue_act(c0 + d, d);
+
+  for (int base = c0; base < c1; base += kDepth) {
+#pragma unroll
+    for (int d = 0; d < kDepth; ++d) {
+      const int kc = base + d;
+      if (kc >= c1) break;  // CTA-uniform
+      // Groups committed so far: kDepth-1 + (kc-c0); chunk kc's is the (kc-c0+1)-th.
+      sm90gemm::cp_async_wait<kDepth - 2>();
+      __syncthreads();  // chunk kc visible to every warp; every warp is done with chunk kc-1's stage
+      issue_act(kc + kDepth - 1, (d + kDepth - 1) % kDepth);
+      if (!wvalid) continue;  // warp-uniform: rows past N
+      const uint32_t stage = ldsm_base + d * kActStageBytes;
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const uint4& wa = ring_wa[d];
+        const uint4& wb = ring_wb[d];
+        const uint2& sa = ring_sa[d];
+        const uint2& sb = ring_sb[d];
+        const uint32_t wq_a = q == 0 ? wa.x : q == 1 ? wa.y : q == 2 ? wa.z : wa.w;
+        const uint32_t wq_b = q == 0 ? wb.x : q == 1 ? wb.y : q == 2 ? wb.z : wb.w;
+        const uint32_t sca = fp4layout::decode_scale_pair(q < 2 ? sa.x : sa.y, q & 1);
+        const uint32_t scb = fp4layout::decode_scale_pair(q < 2 ? sb.x : sb.y, q & 1);
+        uint32_t da[4], db[4];
+        fp4layout::decode_word(wq_a, da);
+        fp4layout::decode_word(wq_b, db);
+        uint32_t f[2][4];
+        // step 2q: a0 = row g cols 2t.., a1 = row g+8, a2 = row g cols 2t+8.., a3 = row g+8 cols 2t+8..
+        f[0][0] = sm90gemm::bf16x2_mul_lo(da[0], sca);
+        f[0][1] = sm90gemm::bf16x2_mul_lo(db[0], scb);
+        f[0][2] = sm90gemm::bf16x2_mul_lo(da[1], sca);
+        f[0][3] = sm90gemm::bf16x2_mul_lo(db[1], scb);
+        // step 2q+1
+        f[1][0] = sm90gemm::bf16x2_mul_hi(da[2], sca);
+        f[1][1] = sm90gemm::bf16x2_mul_hi(db[2], scb);
+        f[1][2] = sm90gemm::bf16x2_mul_hi(da[3], sca);
+        f[1][3] = sm90gemm::bf16x2_mul_hi(db[3], scb);
+#pragma unroll
+        for (int st = 0; st < 2; ++st) {
+          const int s = 2 * q + st;  // k16 step of the chunk: 16-byte segments 2s, 2s+1
+          const uint32_t addr = stage + (((2 * s) ^ lx) << 4);
+          if constexpr (NT == 16) {
+            uint32_t b0, b1, b2, b3;
+            ldsm_x4(addr, b0, b1, b2, b3);
+            mma_16816(acc[0], f[st], b0, b1);
+            mma_16816(acc[1], f[st], b2, b3);
+          } else {
+            uint32_t b0, b1;
+            ldsm_x2(addr, b0, b1);
+            mma_16816(acc[0], f[st], b0, b1);
+          }
+        }
+      }
+      // Slot d is decoded: refill it with chunk kc + kDepth (chunks kc+1 .. kc+kDepth are then in flight).
+      if (kc + kDepth < c1) load_weights(d);
+    }
+  }
+  sm90gemm::cp_async_wait<0>();  // only empty groups can be pending; the ring may be reused after this
+}
+
+// ---- kernel -------------------------------------------------------------------------------------------
+// kGemm2: GEMM2 epilogue (y or the fused top-1 finalize); otherwise GEMM1 (gated or relu2, at run time).
+template <bool kGemm2>
+__global__ void __launch_bounds__(kThreads, 2) expert_gemm_stream_kernel(const StreamParams sp) {
+  __shared__ __align__(128) uint8_t smem[kSmemBytes];
+  __shared__ int s_last;
+  const Params& p = sp.base;
+
+  int64_t bid = blockIdx.x;
+  const int ntile = static_cast<int>(bid % p.n_ctas);
+  bid /= p.n_ctas;
+  const int split = static_cast<int>(bid % sp.split_k);
+  const int tile = static_cast<int>(bid / sp.split_k);
+  if (tile >= *p.num_tiles) return;  // the whole CTA leaves before any barrier
+  const int expert = p.tile_expert[tile];
+  int valid_rows;
+  const __nv_bfloat16* a_src;  // this thread's activation row (token row tid / 16) or nullptr
+  {
+    const int64_t row_start = p.tile_row_start[tile];
+    valid_rows = static_cast<int>(min(static_cast<int64_t>(kTileRows), p.expert_offsets[expert + 1] - row_start));
+    if (valid_rows <= 0) return;
+    const int arow = threadIdx.x / 16;
+    a_src = arow < valid_rows ? p.a + (row_start + arow) * static_cast<int64_t>(p.K) : nullptr;
+  }
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
+  const bool gated = !kGemm2 && p.epilogue == Epilogue::Gemm1Gated;
+  int grp_a, grp_b;  // row groups of rows g and g+8 of this warp's m16 tile
+  bool wvalid;
+  if (gated) {
+    const int half = p.groups / 2, ig = ntile * (kGroupsPerCta / 2) + warp;
+    wvalid = ig < half;
+    grp_a = ig;
+    grp_b = half + ig;
+  } else {
+    grp_a = ntile * kGroupsPerCta + 2 * warp;  // groups is even (N % 16 == 0): grp_a + 1 < groups too
+    wvalid = grp_a < p.groups;
+    grp_b = grp_a + 1;
+  }
+  const int c0 = split * sp.chunks_per_split;
+  const int c1 = min(p.chunks, c0 + sp.chunks_per_split);
+  const int64_t expert_groups = static_cast<int64_t>(expert) * p.groups;
+  const int64_t ca = (expert_groups + (wvalid ? grp_a : 0)) * p.chunks + c0;  // (group, chunk) index
+  const int64_t cb = (expert_groups + (wvalid ? grp_b : 0)) * p.chunks + c0;
+  const uint8_t* w_a = p.w + ca * fp4layout::kChunkBytes + lane * 16;
+  const uint8_t* w_b = p.w + cb * fp4layout::kChunkBytes + lane * 16;
+  const uint8_t* s_a = p.w_scale + ca * fp4layout::kChunkScaleBytes + g * 8;
+  const uint8_t* s_b = p.w_scale + cb * fp4layout::kChunkScaleBytes + g * 8;
+  const uint32_t smem_base = sm90gemm::smem_addr(smem);
+
+  float acc[2][4];
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) acc[h][r] = 0.0f;
+  if (valid_rows <= 8) mainloop<8>(p, smem_base, w_a, w_b, s_a, s_b, wvalid, a_src, c0, c1, acc);
+  else mainloop<16>(p, smem_base, w_a, w_b, s_a, s_b, wvalid, a_src, c0, c1, acc);
+  // NOTE: the epilogue reloads the tile's row start (L1/L2 hit) rather than keeping it live across the
+  // main loop, whose weight ring needs every register of the 128 (a spill otherwise).
+  const int64_t row_start = p.tile_row_start[tile];
+
+  if (sp.split_k > 1) {
+    // Publish this split's partial (fragment order, so the stores and the sums are 2 x 16 B per thread).
+    const int64_t out_tile = static_cast<int64_t>(tile) * p.n_ctas + ntile;
+    float* part = sp.partials + (out_tile * sp.split_k) * kPartialFloats + tid * 8;
+    float4* mine = reinterpret_cast<float4*>(part + static_cast<int64_t>(split) * kPartialFloats);
+    mine[0] = make_float4(acc[0][0], acc[0][1], acc[0][2], acc[0][3]);
+    mine[1] = make_float4(acc[1][0], acc[1][1], acc[1][2], acc[1][3]);
+    __threadfence();  // the partial is visible device-wide before this CTA's arrival
+    __syncthreads();
+    if (tid == 0) {
+      const int prev = atomicAdd(sp.counters + out_tile, 1);
+      const int last = prev == sp.split_k - 1;
+      if (last) sp.counters[out_tile] = 0;  // every split has arrived: ready for the next launch
+      s_last = last;
+    }
+    __syncthreads();
+    if (!s_last) return;
+    __threadfence();  // acquire side of the counter: the other splits' partials are read after it
+    // Fixed order 0..split_k-1 (deterministic); __ldcg: straight from L2, never a stale L1 line.
+#pragma unroll 1
+    for (int s = 0; s < sp.split_k; ++s) {
+      const float4* src = reinterpret_cast<const float4*>(part + static_cast<int64_t>(s) * kPartialFloats);
+      const float4 v0 = __ldcg(src), v1 = __ldcg(src + 1);
+      if (s == 0) {
+        acc[0][0] = v0.x, acc[0][1] = v0.y, acc[0][2] = v0.z, acc[0][3] = v0.w;
+        acc[1][0] = v1.x, acc[1][1] = v1.y, acc[1][2] = v1.z, acc[1][3] = v1.w;
+      } else {
+        acc[0][0] = __fadd_rn(acc[0][0], v0.x), acc[0][1] = __fadd_rn(acc[0][1], v0.y);
+        acc[0][2] = __fadd_rn(acc[0][2], v0.z), acc[0][3] = __fadd_rn(acc[0][3], v0.w);
+        acc[1][0] = __fadd_rn(acc[1][0], v1.x), acc[1][1] = __fadd_rn(acc[1][1], v1.y);
+        acc[1][2] = __fadd_rn(acc[1][2], v1.z), acc[1][3] = __fadd_rn(acc[1][3], v1.w);
+      }
+    }
+  }
+
+  const float alpha = p.alpha[expert];
+  if constexpr (kGemm2) {
+    const int n_g = ntile * kRowsPerCta + 16 * warp + g;  // row g of the warp's m16 tile
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int n = n_g + (r >= 2 ? 8 : 0);
+        const int tok = 8 * h + 2 * t + (r & 1);
+        if (tok < valid_rows && n < p.N) {
+          const int64_t entry = p.row_to_entry[row_start + tok];
+          const float y = sm90gemm::epilogue_scale(alpha, acc[h][r]);
+          if (p.out != nullptr) {  // top-1: finalize's arithmetic, 0 + w * y, then bf16
+            const float w = p.out_weights != nullptr ? p.out_weights[entry] : 1.0f;
+            p.out[entry * p.N + n] = __float2bfloat16_rn(__fadd_rn(0.0f, __fmul_rn(w, y)));
+          } else {
+            p.y[entry * p.N + n] = y;
+          }
+        }
+      }
+  } else {
+    // Staging tile stg[row][token] (fp32): gated: gate column 8w+g at row 8w+g, its up column at row
+    // 64 + 8w + g; relu2: weight row 16w+g (+8) at the same row. It overlays the activation ring.
+    __syncthreads();  // every warp is done with its last ldmatrix
+    float* stg = reinterpret_cast<float*>(smem);
+    const int row_g = gated ? 8 * warp + g : 16 * warp + g;
+    const int row_g8 = gated ? kRowsPerCta / 2 + 8 * warp + g : 16 * warp + g + 8;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int tok = 8 * h + 2 * t;
+      *reinterpret_cast<float2*>(stg + row_g * kStgStride + tok) = make_float2(
+          sm90gemm::epilogue_scale(alpha, acc[h][0]), sm90gemm::epilogue_scale(alpha, acc[h][1]));
+      *reinterpret_cast<float2*>(stg + row_g8 * kStgStride + tok) = make_float2(
+          sm90gemm::epilogue_scale(alpha, acc[h][2]), sm90gemm::epilogue_scale(alpha, acc[h][3]));
+    }
+    __syncthreads();
+    const int cols_cta = gated ? kRowsPerCta / 2 : kRowsPerCta;
+    const int i0 = ntile * cols_cta;
+    const int valid_cols = min(cols_cta, p.out_cols - i0);
+    const int items = (valid_cols / 16) * valid_rows;
+    float gs = 0.0f, inv_gs = 0.0f;
+    if (p.quantize) {
+      gs = nvfp4::global_inv_scale(p.act_scale[expert]);
+      inv_gs = __fdiv_rn(1.0f, gs);
+    }
+    const int64_t out_base = row_start * static_cast<int64_t>(p.out_cols) + i0;
+    sm90gemm::gemm1_epilogue<kStgStride, kRowsPerCta / 2, kThreads>(p, stg, out_base, items, valid_rows, gs, inv_gs);
+  }
+}
+
+}  // namespace fp4moe::kernels::sm90stream
