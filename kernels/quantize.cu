@@ -24,6 +24,7 @@ namespace fp4moe::kernels {
 namespace {
 
 constexpr int kThreads = 256;
+constexpr int kGatherThreads = 128;  // per permuted row: H = 2048..7168 is 128..448 blocks of 16
 
 // 16 bf16 (two uint4) -> 16 floats; element 2i is the low half of word i.
 __device__ __forceinline__ void load_bf16x16(const __nv_bfloat16* src, float (&v)[16]) {
@@ -80,22 +81,21 @@ __global__ void __launch_bounds__(kThreads)
   scales[scale_at] = static_cast<uint8_t>(q.sf);
 }
 
-__global__ void __launch_bounds__(kThreads) gather_quantize_kernel(const GatherArgs a) {
-  const int64_t H = a.hidden_size, nb = H / nvfp4::kBlock;
-  const int64_t rows = static_cast<int64_t>(a.num_tokens) * a.top_k;
-  const int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
-  if (i >= rows * nb) return;
-  const int64_t r = i / nb, b = i % nb;
+// One CTA per permuted row r (grid.x = T*k): the row's entry, token, weight and scale once per thread,
+// then the row's 16-element blocks strided over the threads (adjacent threads, adjacent 32-byte blocks).
+// NOTE: one thread per block with a flat 64-bit index paid two 64-bit divisions per 16 elements,
+// about as many instructions as the quantization itself.
+__global__ void __launch_bounds__(kGatherThreads) gather_quantize_kernel(const GatherArgs a) {
+  const int nb = a.hidden_size / nvfp4::kBlock;
+  const int64_t r = blockIdx.x;
   const int32_t entry = a.row_to_entry[r];
-  const int64_t t = entry / a.top_k;
-  float v[16];
-  load_bf16x16(a.hidden + t * H + b * nvfp4::kBlock, v);
-  if (a.scale_by_weight) {
-    const float wb = __bfloat162float(__float2bfloat16_rn(a.topk_weights[entry]));
-#pragma unroll
-    for (int j = 0; j < 16; ++j) v[j] = __bfloat162float(__float2bfloat16_rn(__fmul_rn(v[j], wb)));
-  }
-  if (a.mode != ActQuant::W4A16) {
+  const int32_t t = entry / a.top_k;
+  const __nv_bfloat16* src = a.hidden + static_cast<int64_t>(t) * a.hidden_size;
+  __nv_bfloat16* dst = a.a1 + r * a.hidden_size;
+  const float wb = a.scale_by_weight ? __bfloat162float(__float2bfloat16_rn(a.topk_weights[entry])) : 1.0f;
+  float gs = 0.0f, inv_gs = 0.0f;
+  const bool quantize = a.mode != ActQuant::W4A16;
+  if (quantize) {
     float s;
     if (a.mode == ActQuant::W4A4Scalar) {
       s = a.input_scale[0];
@@ -103,10 +103,19 @@ __global__ void __launch_bounds__(kThreads) gather_quantize_kernel(const GatherA
       const int32_t e = a.topk_ids[entry];
       s = (e >= 0 && e < a.num_experts) ? a.input_scale[e] : __uint_as_float(0x7FC00000u);
     }
-    const float gs = nvfp4::global_inv_scale(s);
-    nvfp4::fake_quantize_block16(v, gs, __fdiv_rn(1.0f, gs));
+    gs = nvfp4::global_inv_scale(s);
+    inv_gs = __fdiv_rn(1.0f, gs);
   }
-  store_bf16x16(a.a1 + r * H + b * nvfp4::kBlock, v);
+  for (int b = threadIdx.x; b < nb; b += kGatherThreads) {
+    float v[16];
+    load_bf16x16(src + b * nvfp4::kBlock, v);
+    if (a.scale_by_weight) {
+#pragma unroll
+      for (int j = 0; j < 16; ++j) v[j] = __bfloat162float(__float2bfloat16_rn(__fmul_rn(v[j], wb)));
+    }
+    if (quantize) nvfp4::fake_quantize_block16(v, gs, inv_gs);
+    store_bf16x16(dst + b * nvfp4::kBlock, v);
+  }
 }
 
 bool aligned(const void* p, uintptr_t bytes) { return (reinterpret_cast<uintptr_t>(p) % bytes) == 0; }
@@ -144,8 +153,8 @@ cudaError_t launch_gather_quantize(const GatherArgs& a, cudaStream_t stream) {
   if (a.mode == ActQuant::W4A4PerExpert && (a.topk_ids == nullptr || a.num_experts < 1))
     return cudaErrorInvalidValue;
   if (!aligned(a.hidden, 16) || !aligned(a.a1, 16)) return cudaErrorMisalignedAddress;
-  if (grid_for(threads) > 0x7FFFFFFFu) return cudaErrorInvalidValue;
-  gather_quantize_kernel<<<grid_for(threads), kThreads, 0, stream>>>(a);
+  if (rows > 0x7FFFFFFF) return cudaErrorInvalidValue;
+  gather_quantize_kernel<<<static_cast<unsigned>(rows), kGatherThreads, 0, stream>>>(a);
   return cudaGetLastError();
 }
 
