@@ -21,7 +21,9 @@
 #include <limits>
 #include <sstream>
 
+#include <fnmatch.h>
 #include <nlohmann/json.hpp>
+#include <regex>
 
 #include "fp4moe/checkpoint.hpp"
 #include "fp4moe/error.hpp"
@@ -146,6 +148,38 @@ struct Checkpoint::Impl {
 namespace {
 
 // Names of the three projections: gate, up, down.
+// The modules the quantization config leaves unquantized (ModelOpt exclude_modules: names with
+// fnmatch wildcards; compressed-tensors ignore: names, or "re:" regular expressions matched whole).
+class ExcludedModules {
+ public:
+  ExcludedModules(const std::vector<std::string>& patterns, const std::string& where) {
+    for (const std::string& p : patterns) {
+      if (p.rfind("re:", 0) == 0) {
+        try {
+          regexes_.emplace_back(p, std::regex(p.substr(3), std::regex::ECMAScript));
+        } catch (const std::regex_error& e) {
+          throw Error(detail::concat(where, ": excluded module pattern '", p, "' is not a valid regular expression (",
+                                     e.what(), ")"));
+        }
+      } else {
+        globs_.push_back(p);
+      }
+    }
+  }
+  // The pattern that excludes module `name`, or "".
+  std::string pattern_of(const std::string& name) const {
+    for (const std::string& g : globs_)
+      if (fnmatch(g.c_str(), name.c_str(), 0) == 0) return g;
+    for (const auto& [text, re] : regexes_)
+      if (std::regex_match(name, re)) return text;
+    return {};
+  }
+
+ private:
+  std::vector<std::string> globs_;
+  std::vector<std::pair<std::string, std::regex>> regexes_;
+};
+
 struct ProjNames {
   const char* gate;
   const char* up;
@@ -338,6 +372,18 @@ MoeLayerWeights Checkpoint::load_layer(int64_t layer, const LoadOptions& options
 
   // (3) + (4)
   const ProjNames names = proj_names(cfg.family);
+  {  // experts left unquantized by the quantization config cannot run as NVFP4
+    const std::string where = cfg.format == CheckpointFormat::ModelOpt ? "exclude_modules of hf_quant_config.json"
+                                                                        : "quantization_config.ignore of config.json";
+    const ExcludedModules excluded(cfg.excluded_modules, ck.dir + ": " + where);
+    for (int64_t e = begin; e < end; ++e)
+      for (const char* proj : {names.gate, names.up, names.down}) {
+        const std::string module = experts + std::to_string(e) + "." + proj;
+        const std::string pattern = excluded.pattern_of(module);
+        check(pattern.empty(), ck.dir, ": layer ", layer, ": expert module '", module, "' is excluded from quantization by '",
+              pattern, "' (", where, "); fp4moe runs NVFP4 experts only");
+      }
+  }
   const std::string up_why = detail::concat("[out, in] = [I, H] = [", I, ", ", H, "] from config.json");
   const std::string down_why = detail::concat("[out, in] = [H, I] = [", H, ", ", I, "] from config.json");
   const int64_t half_w = I * (H / 2), half_s = I * (H / 16);

@@ -178,11 +178,11 @@ Fixture write_fixture(const std::string& dir, const FixtureOptions& o) {
         {"config_groups",
          {{"group_0", {{"targets", {"Linear"}}, {"weights", fp4}, {"input_activations", act},
                        {"format", "nvfp4-pack-quantized"}}}}},
-        {"ignore", {"lm_head"}}};
+        {"ignore", o.excluded_modules}};
   } else {
     quant = {{"producer", {{"name", "modelopt"}, {"version", "fixture"}}},
              {"quantization", {{"quant_algo", "NVFP4"}, {"kv_cache_quant_algo", nullptr}, {"group_size", 16},
-                               {"exclude_modules", {"lm_head"}}}}};
+                               {"exclude_modules", o.excluded_modules}}}};
     write_text(fs::path(dir) / "hf_quant_config.json", quant.dump(2));
   }
   write_text(fs::path(dir) / "config.json", config.dump(2));

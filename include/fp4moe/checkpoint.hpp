@@ -200,6 +200,7 @@ struct FixtureOptions {
   int num_shards = 2;            // 1: a single model.safetensors without index
   bool llama4_language_model_prefix = true;
   float up_scale_2_factor = 1.0f;  // != 1: up's weight_scale_2 = gate's * factor (fusion tests)
+  std::vector<std::string> excluded_modules = {"lm_head"};  // exclude_modules (ModelOpt) / ignore (CT)
   uint64_t seed = 1;
 };
 

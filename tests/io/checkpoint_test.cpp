@@ -223,6 +223,51 @@ TEST(CheckpointBadInput, MissingInputScaleIsAnErrorNeverZero) {
   expect_load_error(ct, {"missing tensor", kExpert + "down_proj.input_global_scale"});
 }
 
+// Experts the quantization config leaves unquantized are refused by name and pattern; excluding
+// other modules (the router, lm_head, another layer's experts) changes nothing.
+TEST(CheckpointExcluded, ExcludedExpertsAreRefusedNamingThePattern) {
+  struct Case {
+    CheckpointFormat format;
+    std::vector<std::string> excluded;
+    std::string pattern;  // "" = loads
+  };
+  const std::vector<Case> cases = {
+      {CheckpointFormat::ModelOpt, {"lm_head", "*.mlp.gate", "model.layers.0.*"}, ""},
+      {CheckpointFormat::ModelOpt, {"lm_head", "model.layers.1.mlp.experts.*"}, "model.layers.1.mlp.experts.*"},
+      {CheckpointFormat::ModelOpt, {"*experts.3.down_proj"}, "*experts.3.down_proj"},
+      {CheckpointFormat::CompressedTensors, {"lm_head", "re:.*mlp\\.gate$"}, ""},
+      {CheckpointFormat::CompressedTensors, {"re:.*layers\\.1\\.mlp\\.experts\\..*"},
+       "re:.*layers\\.1\\.mlp\\.experts\\..*"},
+  };
+  int i = 0;
+  for (const Case& c : cases) {
+    SCOPED_TRACE(i);
+    const std::string dir = fresh_dir("excluded_" + std::to_string(i++));
+    FixtureOptions o;
+    o.format = c.format;
+    o.family = ModelFamily::Qwen3Moe;
+    o.num_shards = 1;
+    o.excluded_modules = c.excluded;
+    const Fixture fx = write_fixture(dir, o);
+    if (c.pattern.empty()) {
+      expect_same_layer(Checkpoint::open(dir).load_layer(1), fx.layers.at(1));
+    } else {
+      expect_load_error(dir, {dir, "layer 1", "is excluded from quantization by '" + c.pattern + "'",
+                              c.format == CheckpointFormat::ModelOpt ? "exclude_modules" : "ignore",
+                              "NVFP4 experts only"});
+    }
+  }
+  // A pattern that is not a regular expression is a configuration error naming it.
+  const std::string dir = fresh_dir("excluded_bad_regex");
+  FixtureOptions o;
+  o.format = CheckpointFormat::CompressedTensors;
+  o.family = ModelFamily::Qwen3Moe;
+  o.num_shards = 1;
+  o.excluded_modules = {"re:(unclosed"};
+  write_fixture(dir, o);
+  expect_load_error(dir, {"re:(unclosed", "not a valid regular expression"});
+}
+
 TEST(CheckpointBadInput, MissingRouterAndBias) {
   const std::string dir = single_shard_fixture("missing_router");
   rewrite(dir + "/model.safetensors", [](auto& ts) {
