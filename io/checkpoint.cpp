@@ -359,16 +359,8 @@ MoeLayerWeights Checkpoint::load_layer(int64_t layer, const LoadOptions& options
   w.expert_begin = begin;
   w.expert_end = end;
   w.problem = cfg.problem;
-  const int64_t El = end - begin;
-  w.problem.num_experts = El;
-  w.w13.resize(El * 2 * I * (H / 2));
-  w.w13_scale.resize(El * 2 * I * (H / 16));
-  w.w2.resize(El * H * (I / 2));
-  w.w2_scale.resize(El * H * (I / 16));
-  w.w13_scale_2.resize(El);
-  w.w13_input_scale.resize(El);
-  w.w2_scale_2.resize(El);
-  w.w2_input_scale.resize(El);
+  w.problem.num_experts = end - begin;
+  w.allocate_experts();
 
   // (3) + (4)
   const ProjNames names = proj_names(cfg.family);
@@ -451,6 +443,18 @@ MoeLayerWeights Checkpoint::load_layer(int64_t layer, const LoadOptions& options
 }
 
 // ---- MoeLayerWeights ------------------------------------------------------------------------------
+
+void MoeLayerWeights::allocate_experts() {
+  const int64_t E = problem.num_experts, H = problem.hidden, I = problem.inter;
+  w13.assign(E * 2 * I * (H / 2), 0);
+  w13_scale.assign(E * 2 * I * (H / 16), 0);
+  w2.assign(E * H * (I / 2), 0);
+  w2_scale.assign(E * H * (I / 16), 0);
+  w13_scale_2.assign(E, 0.0f);
+  w13_input_scale.assign(E, 0.0f);
+  w2_scale_2.assign(E, 0.0f);
+  w2_input_scale.assign(E, 0.0f);
+}
 
 reference::MoeWeights MoeLayerWeights::weights() const {
   reference::MoeWeights v;

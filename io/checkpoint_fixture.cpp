@@ -213,14 +213,7 @@ Fixture write_fixture(const std::string& dir, const FixtureOptions& o) {
     w.expert_begin = 0;
     w.expert_end = E;
     w.problem = fx.config.problem;
-    w.w13.resize(E * 2 * I * (H / 2));
-    w.w13_scale.resize(E * 2 * I * (H / 16));
-    w.w2.resize(E * H * (I / 2));
-    w.w2_scale.resize(E * H * (I / 16));
-    w.w13_scale_2.resize(E);
-    w.w13_input_scale.resize(E);
-    w.w2_scale_2.resize(E);
-    w.w2_input_scale.resize(E);
+    w.allocate_experts();
     const bool mixtral = o.family == ModelFamily::Mixtral;
     const std::string gn = mixtral ? "w1" : "gate_proj", un = mixtral ? "w3" : "up_proj", dn = mixtral ? "w2" : "down_proj";
     const float a1 = representable(4.0f / kGlobalDenom, ct);

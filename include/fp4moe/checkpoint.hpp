@@ -117,6 +117,9 @@ struct MoeLayerWeights {
   std::vector<float> routing_bias;      // [total_experts] (deepseek_v3 e_score_correction_bias) or empty
   ScaleFusionReport fusion;
 
+  // Sizes the expert tensors for problem.num_experts local experts of problem's H and I (gate and up
+  // rows both present), contents zero.
+  void allocate_experts();
   reference::MoeWeights weights() const;  // views into this object
   // Router logits [T, total_experts] = x . router^T, fp32 accumulation over the bf16 values, in
   // index order (hidden is bf16 bits [T, H]).

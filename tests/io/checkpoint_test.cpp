@@ -15,6 +15,7 @@
 #include "fp4moe/format.hpp"
 #include "fp4moe/reference.hpp"
 #include "fp4moe/safetensors.hpp"
+#include "test_dir.hpp"
 
 namespace fp4moe::io {
 namespace {
@@ -23,12 +24,7 @@ namespace fs = std::filesystem;
 using ::testing::AllOf;
 using ::testing::HasSubstr;
 
-std::string fresh_dir(const std::string& name) {
-  const fs::path p = fs::path(FP4MOE_TEST_TMPDIR) / "ckpt" / name;
-  fs::remove_all(p);
-  fs::create_directories(p.parent_path());
-  return p.string();
-}
+std::string fresh_dir(const std::string& name) { return test::fresh_dir("ckpt", name); }
 
 void expect_same_layer(const MoeLayerWeights& got, const MoeLayerWeights& want) {
   EXPECT_EQ(got.problem.describe(), want.problem.describe());

@@ -13,21 +13,16 @@
 #include "fp4moe/checkpoint.hpp"
 #include "fp4moe/reference.hpp"
 #include "fp4moe/safetensors.hpp"
+#include "test_dir.hpp"
 #include "tools/cli_run.hpp"
 
 namespace fp4moe {
 namespace {
 
-namespace fs = std::filesystem;
 using ::testing::AllOf;
 using ::testing::HasSubstr;
 
-std::string fresh_dir(const std::string& name) {
-  const fs::path p = fs::path(FP4MOE_TEST_TMPDIR) / "inspect" / name;
-  fs::remove_all(p);
-  fs::create_directories(p.parent_path());
-  return p.string();
-}
+std::string fresh_dir(const std::string& name) { return test::fresh_dir("inspect", name); }
 
 TEST(Inspect, PrintsTheStructureOfBothFormats) {
   for (auto format : {io::CheckpointFormat::ModelOpt, io::CheckpointFormat::CompressedTensors}) {
