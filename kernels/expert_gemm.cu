@@ -19,11 +19,6 @@
 #include "kernels/launch.hpp"
 
 namespace fp4moe::kernels {
-namespace {
-using gemm_detail::aligned;
-using gemm_detail::common_args_valid;
-using gemm_detail::common_params;
-}  // namespace
 
 cudaError_t configure_expert_gemm() {
   // The shared-memory opt-in is set once per device.
@@ -84,37 +79,15 @@ int gemm_tile_rows(const MoeTactic& t) { return t.tile_tokens; }
 
 cudaError_t launch_gemm1_act(const Gemm1Args& args, cudaStream_t stream) {
   if (stream_tactic(args.tactic)) return launch_gemm1_act_stream(args, args.tactic.split_k, stream);
-  if (!wgmma_tactic(args.tactic) || !common_args_valid(args)) return cudaErrorInvalidValue;
-  const bool gated = args.activation.kind != Activation::Relu2;
-  if (gated && args.N % 32 != 0) return cudaErrorInvalidValue;  // I = N/2 must be a multiple of 16
-  const int64_t I = gated ? args.N / 2 : args.N;
-  const bool quantize = args.mode != ActQuant::W4A16;
-  if (args.max_tiles > 0) {
-    if (!args.act || !aligned(args.act, 16)) return cudaErrorInvalidValue;
-    if (quantize && !args.act_scale) return cudaErrorInvalidValue;
-  }
-  sm90gemm::Params p = common_params(args);
-  p.epilogue = gated ? sm90gemm::Epilogue::Gemm1Gated : sm90gemm::Epilogue::Gemm1Plain;
-  p.act = args.activation;
-  p.quantize = quantize ? 1 : 0;
-  p.act_scale = args.act_scale;
-  p.act_out = args.act;
-  p.out_cols = static_cast<int>(I);
-  return launch(p, args.tactic, gated, I, stream);
+  sm90gemm::Params p;
+  if (!wgmma_tactic(args.tactic) || !gemm_detail::gemm1_params(args, p)) return cudaErrorInvalidValue;
+  return launch(p, args.tactic, p.epilogue == sm90gemm::Epilogue::Gemm1Gated, p.out_cols, stream);
 }
 
 cudaError_t launch_gemm2(const Gemm2Args& args, cudaStream_t stream) {
   if (stream_tactic(args.tactic)) return launch_gemm2_stream(args, args.tactic.split_k, stream);
-  if (!wgmma_tactic(args.tactic) || !common_args_valid(args)) return cudaErrorInvalidValue;
-  if (args.max_tiles > 0 && (!args.row_to_entry || (!args.y && !args.out) || (args.y && !aligned(args.y, 4))))
-    return cudaErrorInvalidValue;
-  sm90gemm::Params p = common_params(args);
-  p.epilogue = sm90gemm::Epilogue::Gemm2;
-  p.row_to_entry = args.row_to_entry;
-  p.y = args.y;
-  p.out = args.out;
-  p.out_weights = args.out_weights;
-  p.out_cols = static_cast<int>(args.N);
+  sm90gemm::Params p;
+  if (!wgmma_tactic(args.tactic) || !gemm_detail::gemm2_params(args, p)) return cudaErrorInvalidValue;
   return launch(p, args.tactic, false, args.N, stream);
 }
 

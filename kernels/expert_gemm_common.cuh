@@ -46,4 +46,39 @@ inline sm90gemm::Params common_params(const ExpertGemmArgs& a) {
   return p;
 }
 
+// GEMM1's checks and kernel parameters (both kernels): false on an invalid argument.
+inline bool gemm1_params(const Gemm1Args& args, sm90gemm::Params& p) {
+  if (!common_args_valid(args)) return false;
+  const bool gated = args.activation.kind != Activation::Relu2;
+  if (gated && args.N % 32 != 0) return false;  // I = N/2 must be a multiple of 16
+  const bool quantize = args.mode != ActQuant::W4A16;
+  if (args.max_tiles > 0) {
+    if (!args.act || !aligned(args.act, 16)) return false;
+    if (quantize && !args.act_scale) return false;
+  }
+  p = common_params(args);
+  p.epilogue = gated ? sm90gemm::Epilogue::Gemm1Gated : sm90gemm::Epilogue::Gemm1Plain;
+  p.act = args.activation;
+  p.quantize = quantize ? 1 : 0;
+  p.act_scale = args.act_scale;
+  p.act_out = args.act;
+  p.out_cols = static_cast<int>(gated ? args.N / 2 : args.N);  // I
+  return true;
+}
+
+// GEMM2's checks and kernel parameters (both kernels): false on an invalid argument.
+inline bool gemm2_params(const Gemm2Args& args, sm90gemm::Params& p) {
+  if (!common_args_valid(args)) return false;
+  if (args.max_tiles > 0 && (!args.row_to_entry || (!args.y && !args.out) || (args.y && !aligned(args.y, 4))))
+    return false;
+  p = common_params(args);
+  p.epilogue = sm90gemm::Epilogue::Gemm2;
+  p.row_to_entry = args.row_to_entry;
+  p.y = args.y;
+  p.out = args.out;
+  p.out_weights = args.out_weights;
+  p.out_cols = static_cast<int>(args.N);
+  return true;
+}
+
 }  // namespace fp4moe::kernels::gemm_detail

@@ -575,10 +575,20 @@ __device__ __forceinline__ void gemm1_items(const Params& p, const float* stg, i
   }
 }
 
-// The GEMM1 epilogue items with the activation kind as a template parameter (see gemm1_items).
+// The GEMM1 epilogue of a CTA whose staged tile holds output columns [i0, i0 + cols_cta) of the tile's
+// valid_rows token rows (from row_start): the items of gemm1_items with the activation kind as a
+// template parameter, and (w4a4) the expert's re-quantization scale.
 template <int kStride, int kUpRow, int kNumThreads>
-__device__ __forceinline__ void gemm1_epilogue(const Params& p, const float* stg, int64_t out_base, int items,
-                                               int valid_rows, float gs, float inv_gs) {
+__device__ __forceinline__ void gemm1_epilogue(const Params& p, const float* stg, int expert, int i0, int cols_cta,
+                                               int64_t row_start, int valid_rows) {
+  const int valid_cols = min(cols_cta, p.out_cols - i0);
+  const int items = (valid_cols / 16) * valid_rows;
+  float gs = 0.0f, inv_gs = 0.0f;
+  if (p.quantize) {
+    gs = nvfp4::global_inv_scale(p.act_scale[expert]);
+    inv_gs = __fdiv_rn(1.0f, gs);
+  }
+  const int64_t out_base = row_start * static_cast<int64_t>(p.out_cols) + i0;
   switch (p.act.kind) {
     case Activation::SwiGLU:
       gemm1_items<Activation::SwiGLU, kStride, kUpRow, kNumThreads>(p, stg, out_base, items, valid_rows, gs, inv_gs);
@@ -716,16 +726,8 @@ __global__ void __launch_bounds__(kThreads, 1) expert_gemm_kernel(const Params p
   consumer_sync();
 
   const int cols_cta = gated ? kBlockN / 2 : kBlockN;
-  const int i0 = ntile * cols_cta;
-  const int valid_cols = min(cols_cta, p.out_cols - i0);
-  const int items = (valid_cols / 16) * valid_rows;
-  float gs = 0.0f, inv_gs = 0.0f;
-  if (p.quantize) {
-    gs = nvfp4::global_inv_scale(p.act_scale[expert]);
-    inv_gs = __fdiv_rn(1.0f, gs);
-  }
-  const int64_t out_base = row_start * static_cast<int64_t>(p.out_cols) + i0;
-  gemm1_epilogue<kStagingStride, kBlockN / 2, kConsumerThreads>(p, stg, out_base, items, valid_rows, gs, inv_gs);
+  gemm1_epilogue<kStagingStride, kBlockN / 2, kConsumerThreads>(p, stg, expert, ntile * cols_cta, cols_cta, row_start,
+                                                                valid_rows);
 }
 #endif  // !FP4MOE_SM90GEMM_HELPERS_ONLY
 

@@ -23,8 +23,6 @@ namespace fp4moe::kernels {
 namespace {
 
 using gemm_detail::aligned;
-using gemm_detail::common_args_valid;
-using gemm_detail::common_params;
 namespace ss = sm90stream;
 
 int64_t n_ctas_of(int64_t N_rows) { return (N_rows + ss::kRowsPerCta - 1) / ss::kRowsPerCta; }
@@ -72,42 +70,14 @@ size_t gemm_stream_counter_bytes(int64_t max_tiles, int64_t N_rows) {
 }
 
 cudaError_t launch_gemm1_act_stream(const Gemm1Args& args, int split_k, cudaStream_t stream) {
-  if (!common_args_valid(args)) return cudaErrorInvalidValue;
-  const bool gated = args.activation.kind != Activation::Relu2;
-  if (gated && args.N % 32 != 0) return cudaErrorInvalidValue;  // I = N/2 must be a multiple of 16
-  const int64_t I = gated ? args.N / 2 : args.N;
-  const bool quantize = args.mode != ActQuant::W4A16;
-  if (args.max_tiles > 0) {
-    if (!args.act || !aligned(args.act, 16)) return cudaErrorInvalidValue;
-    if (quantize && !args.act_scale) return cudaErrorInvalidValue;
-  }
   ss::StreamParams sp{};
-  sp.base = common_params(args);
-  if (!split_valid(args, split_k, sp)) return cudaErrorInvalidValue;
-  sm90gemm::Params& p = sp.base;
-  p.epilogue = gated ? sm90gemm::Epilogue::Gemm1Gated : sm90gemm::Epilogue::Gemm1Plain;
-  p.act = args.activation;
-  p.quantize = quantize ? 1 : 0;
-  p.act_scale = args.act_scale;
-  p.act_out = args.act;
-  p.out_cols = static_cast<int>(I);
+  if (!gemm_detail::gemm1_params(args, sp.base) || !split_valid(args, split_k, sp)) return cudaErrorInvalidValue;
   return launch<false>(sp, stream);
 }
 
 cudaError_t launch_gemm2_stream(const Gemm2Args& args, int split_k, cudaStream_t stream) {
-  if (!common_args_valid(args)) return cudaErrorInvalidValue;
-  if (args.max_tiles > 0 && (!args.row_to_entry || (!args.y && !args.out) || (args.y && !aligned(args.y, 4))))
-    return cudaErrorInvalidValue;
   ss::StreamParams sp{};
-  sp.base = common_params(args);
-  if (!split_valid(args, split_k, sp)) return cudaErrorInvalidValue;
-  sm90gemm::Params& p = sp.base;
-  p.epilogue = sm90gemm::Epilogue::Gemm2;
-  p.row_to_entry = args.row_to_entry;
-  p.y = args.y;
-  p.out = args.out;
-  p.out_weights = args.out_weights;
-  p.out_cols = static_cast<int>(args.N);
+  if (!gemm_detail::gemm2_params(args, sp.base) || !split_valid(args, split_k, sp)) return cudaErrorInvalidValue;
   return launch<true>(sp, stream);
 }
 

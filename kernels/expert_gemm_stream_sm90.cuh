@@ -374,16 +374,8 @@ __global__ void __launch_bounds__(kThreads, 2) expert_gemm_stream_kernel(const S
     }
     __syncthreads();
     const int cols_cta = gated ? kRowsPerCta / 2 : kRowsPerCta;
-    const int i0 = ntile * cols_cta;
-    const int valid_cols = min(cols_cta, p.out_cols - i0);
-    const int items = (valid_cols / 16) * valid_rows;
-    float gs = 0.0f, inv_gs = 0.0f;
-    if (p.quantize) {
-      gs = nvfp4::global_inv_scale(p.act_scale[expert]);
-      inv_gs = __fdiv_rn(1.0f, gs);
-    }
-    const int64_t out_base = row_start * static_cast<int64_t>(p.out_cols) + i0;
-    sm90gemm::gemm1_epilogue<kStgStride, kRowsPerCta / 2, kThreads>(p, stg, out_base, items, valid_rows, gs, inv_gs);
+    sm90gemm::gemm1_epilogue<kStgStride, kRowsPerCta / 2, kThreads>(p, stg, expert, ntile * cols_cta, cols_cta,
+                                                                    row_start, valid_rows);
   }
 }
 

@@ -598,16 +598,18 @@ TEST(ExpertGemmKernel, NoRowsLaunchesNothing) {
   run_gemm2({"empty", 4, 64, 32, {0, 0, 0, 0}, act_of(Activation::SwiGLU), ActQuant::W4A16, 62});
 }
 
-TEST(ExpertGemmKernel, RejectsBadArguments) {
-  FP4MOE_REQUIRE_SM90();
-  std::mt19937 rng(71);
-  const CanonicalWeights cw = random_weights(rng, 1, 32, 64);
+// Valid GEMM arguments on tiny buffers (1 expert, N = 32, K = 64) for the argument checks; `tactic`
+// picks the kernel behind launch_gemm1_act / launch_gemm2.
+struct BadArgsSetup {
   DeviceWeights dw;
-  upload_weights(cw, 1, 32, 64, dw);
-  DeviceBuffer<int32_t> dummy(std::vector<int32_t>(8, 0));
-  DeviceBuffer<float> f(std::vector<float>(64, 1.0f));
-  DeviceBuffer<uint16_t> a(std::vector<uint16_t>(64, 0));
-  auto base = [&](kernels::ExpertGemmArgs& g) {
+  DeviceBuffer<int32_t> dummy{std::vector<int32_t>(8, 0)};
+  DeviceBuffer<float> f{std::vector<float>(64, 1.0f)};
+  DeviceBuffer<uint16_t> a{std::vector<uint16_t>(64, 0)};
+  explicit BadArgsSetup(uint32_t seed) {
+    std::mt19937 rng(seed);
+    upload_weights(random_weights(rng, 1, 32, 64), 1, 32, 64, dw);
+  }
+  void base(kernels::ExpertGemmArgs& g, const MoeTactic& tactic) const {
     g.a = reinterpret_cast<const __nv_bfloat16*>(a.get());
     g.w = dw.w.get();
     g.w_scale = dw.s.get();
@@ -621,11 +623,27 @@ TEST(ExpertGemmKernel, RejectsBadArguments) {
     g.num_experts = 1;
     g.K = 64;
     g.N = 32;
-  };
-  kernels::Gemm2Args g2;
-  base(g2);
-  g2.row_to_entry = dummy.get();
-  g2.y = f.get();
+    g.tactic = tactic;
+  }
+  kernels::Gemm2Args gemm2(const MoeTactic& tactic) const {
+    kernels::Gemm2Args g2;
+    base(g2, tactic);
+    g2.row_to_entry = dummy.get();
+    g2.y = f.get();
+    return g2;
+  }
+  kernels::Gemm1Args gemm1(const MoeTactic& tactic) const {
+    kernels::Gemm1Args g1;
+    base(g1, tactic);
+    g1.act = reinterpret_cast<__nv_bfloat16*>(a.get());
+    return g1;
+  }
+};
+
+// The checks every kernel makes (through the tactic dispatch of launch_gemm1_act / launch_gemm2).
+void expect_common_rejections(const BadArgsSetup& s, const MoeTactic& tactic) {
+  SCOPED_TRACE(describe(tactic));
+  const kernels::Gemm2Args g2 = s.gemm2(tactic);
   kernels::Gemm2Args bad = g2;
   bad.K = 48;  // does not match the prepacked weights
   EXPECT_EQ(kernels::launch_gemm2(bad, nullptr), cudaErrorInvalidValue);
@@ -636,11 +654,9 @@ TEST(ExpertGemmKernel, RejectsBadArguments) {
   bad.y = nullptr;
   EXPECT_EQ(kernels::launch_gemm2(bad, nullptr), cudaErrorInvalidValue);
   bad = g2;
-  bad.a = reinterpret_cast<const __nv_bfloat16*>(reinterpret_cast<const char*>(a.get()) + 2);  // misaligned
+  bad.a = reinterpret_cast<const __nv_bfloat16*>(reinterpret_cast<const char*>(s.a.get()) + 2);  // misaligned
   EXPECT_EQ(kernels::launch_gemm2(bad, nullptr), cudaErrorInvalidValue);
-  kernels::Gemm1Args g1;
-  base(g1);
-  g1.act = reinterpret_cast<__nv_bfloat16*>(a.get());
+  kernels::Gemm1Args g1 = s.gemm1(tactic);
   g1.mode = ActQuant::W4A4Scalar;
   g1.act_scale = nullptr;  // needed by w4a4
   EXPECT_EQ(kernels::launch_gemm1_act(g1, nullptr), cudaErrorInvalidValue);
@@ -648,6 +664,19 @@ TEST(ExpertGemmKernel, RejectsBadArguments) {
   g1.act = nullptr;
   EXPECT_EQ(kernels::launch_gemm1_act(g1, nullptr), cudaErrorInvalidValue);
   EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+}
+
+TEST(ExpertGemmKernel, RejectsBadArguments) {
+  FP4MOE_REQUIRE_SM90();
+  const BadArgsSetup s(71);
+  expect_common_rejections(s, {GemmKernel::Sm90Wgmma, 128, 1});
+  expect_common_rejections(s, {GemmKernel::Sm90Wgmma, 256, 1});
+  // Tactics no kernel has.
+  for (const MoeTactic& t : {MoeTactic{GemmKernel::Sm90Wgmma, 64, 1}, MoeTactic{GemmKernel::Sm90Wgmma, 128, 2},
+                             MoeTactic{GemmKernel::Sm90Stream, 32, 1}}) {
+    EXPECT_EQ(kernels::launch_gemm2(s.gemm2(t), nullptr), cudaErrorInvalidValue) << describe(t);
+    EXPECT_EQ(kernels::launch_gemm1_act(s.gemm1(t), nullptr), cudaErrorInvalidValue) << describe(t);
+  }
 }
 
 // ---- the streaming kernel (GemmKernel::Sm90Stream): the same cases, split_k 1 and 3 ----------------------
@@ -737,61 +766,17 @@ TEST(ExpertGemmStream, NoRowsLaunchesNothing) {
 
 TEST(ExpertGemmStream, RejectsBadArguments) {
   FP4MOE_REQUIRE_SM90();
-  std::mt19937 rng(72);
-  const CanonicalWeights cw = random_weights(rng, 1, 32, 64);
-  DeviceWeights dw;
-  upload_weights(cw, 1, 32, 64, dw);
-  DeviceBuffer<int32_t> dummy(std::vector<int32_t>(8, 0));
-  DeviceBuffer<float> f(std::vector<float>(64, 1.0f));
-  DeviceBuffer<uint16_t> a(std::vector<uint16_t>(64, 0));
-  auto base = [&](kernels::ExpertGemmArgs& g) {
-    g.a = reinterpret_cast<const __nv_bfloat16*>(a.get());
-    g.w = dw.w.get();
-    g.w_scale = dw.s.get();
-    g.weights = dw.info;
-    g.alpha = f.get();
-    g.expert_offsets = dummy.get();
-    g.tile_expert = dummy.get();
-    g.tile_row_start = dummy.get();
-    g.num_tiles = dummy.get();
-    g.max_tiles = 1;
-    g.num_experts = 1;
-    g.K = 64;
-    g.N = 32;
-  };
-  kernels::Gemm2Args g2;
-  base(g2);
-  g2.row_to_entry = dummy.get();
-  g2.y = f.get();
-  kernels::Gemm2Args bad = g2;
-  bad.K = 48;  // does not match the prepacked weights
-  EXPECT_EQ(kernels::launch_gemm2_stream(bad, 1, nullptr), cudaErrorInvalidValue);
-  bad = g2;
-  bad.N = 24;  // not a multiple of 16
-  EXPECT_EQ(kernels::launch_gemm2_stream(bad, 1, nullptr), cudaErrorInvalidValue);
-  bad = g2;
-  bad.y = nullptr;
-  EXPECT_EQ(kernels::launch_gemm2_stream(bad, 1, nullptr), cudaErrorInvalidValue);
-  bad = g2;
-  bad.a = reinterpret_cast<const __nv_bfloat16*>(reinterpret_cast<const char*>(a.get()) + 2);  // misaligned
-  EXPECT_EQ(kernels::launch_gemm2_stream(bad, 1, nullptr), cudaErrorInvalidValue);
+  const BadArgsSetup s(72);
+  expect_common_rejections(s, {GemmKernel::Sm90Stream, 16, 1});
+  const kernels::Gemm2Args g2 = s.gemm2({GemmKernel::Sm90Stream, 16, 1});
   EXPECT_EQ(kernels::launch_gemm2_stream(g2, 0, nullptr), cudaErrorInvalidValue);  // split_k < 1
   EXPECT_EQ(kernels::launch_gemm2_stream(g2, kernels::kMaxStreamSplitK + 1, nullptr), cudaErrorInvalidValue);
   EXPECT_EQ(kernels::launch_gemm2_stream(g2, 2, nullptr), cudaErrorInvalidValue);  // split_k 2, no workspace
-  bad = g2;
-  bad.split_workspace = reinterpret_cast<char*>(f.get()) + 4;  // misaligned workspace
+  kernels::Gemm2Args bad = g2;
+  bad.split_workspace = reinterpret_cast<char*>(s.f.get()) + 4;  // misaligned workspace
   EXPECT_EQ(kernels::launch_gemm2_stream(bad, 2, nullptr), cudaErrorInvalidValue);
-  kernels::Gemm1Args g1;
-  base(g1);
-  g1.act = reinterpret_cast<__nv_bfloat16*>(a.get());
-  g1.mode = ActQuant::W4A4Scalar;
-  g1.act_scale = nullptr;  // needed by w4a4
-  EXPECT_EQ(kernels::launch_gemm1_act_stream(g1, 1, nullptr), cudaErrorInvalidValue);
-  g1.mode = ActQuant::W4A16;
-  g1.act = nullptr;
-  EXPECT_EQ(kernels::launch_gemm1_act_stream(g1, 1, nullptr), cudaErrorInvalidValue);
-  g1.act = reinterpret_cast<__nv_bfloat16*>(a.get());
-  EXPECT_EQ(kernels::launch_gemm1_act_stream(g1, 3, nullptr), cudaErrorInvalidValue);  // no workspace
+  const kernels::Gemm1Args g1 = s.gemm1({GemmKernel::Sm90Stream, 16, 3});
+  EXPECT_EQ(kernels::launch_gemm1_act(g1, nullptr), cudaErrorInvalidValue);  // split_k 3, no workspace
   EXPECT_EQ(kernels::gemm_stream_tile_rows(), 16);
   EXPECT_EQ(kernels::gemm_stream_workspace_bytes(4, 256, 1), 0u);
   EXPECT_GE(kernels::gemm_stream_workspace_bytes(4, 256, 3), size_t{4 * 2 * 3 * 256 * 8 * 4});
