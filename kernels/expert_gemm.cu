@@ -61,8 +61,8 @@ cudaError_t launch_wgmma(const sm90gemm::Params& p, bool gated_gemm1, int64_t co
   sm90gemm::Params q = p;
   q.n_ctas = static_cast<int>(n_ctas);
   if (cudaError_t e = configure_expert_gemm(); e != cudaSuccess) return e;
-  sm90gemm::expert_gemm_kernel<TileTokens><<<static_cast<unsigned>(ctas), sm90gemm::kThreads, C::kSmemBytes, stream>>>(q);
-  return cudaGetLastError();
+  return launch_dependent(sm90gemm::expert_gemm_kernel<TileTokens>, dim3(static_cast<unsigned>(ctas)),
+                          dim3(sm90gemm::kThreads), C::kSmemBytes, stream, q);
 }
 
 // The one place where a tactic becomes a kernel instantiation (the streaming kernel: see the launchers).

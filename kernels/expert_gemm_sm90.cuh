@@ -40,6 +40,7 @@
 #include <cstdint>
 
 #include "fp4moe/problem.hpp"
+#include "kernels/dependent_launch.cuh"
 #include "kernels/expert_gemm_layout.cuh"
 #include "kernels/nvfp4_device.cuh"
 
@@ -616,6 +617,7 @@ __global__ void __launch_bounds__(kThreads, 1) expert_gemm_kernel(const Params p
   constexpr int kStagingStride = C::kStagingStride;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);  // 1024-aligned, still shared
+  dependent_launch_prologue();
 
   // Raster: groups of kRasterGroup tiles; inside a group the tile varies fastest, so the CTAs that run
   // together share weight columns (same expert, same N tile) and activation rows.

@@ -50,8 +50,8 @@ cudaError_t launch(ss::StreamParams sp, cudaStream_t stream) {
   const int64_t ctas = static_cast<int64_t>(sp.base.max_tiles) * sp.split_k * n_ctas;
   if (ctas > INT_MAX) return cudaErrorInvalidConfiguration;
   sp.base.n_ctas = static_cast<int>(n_ctas);
-  ss::expert_gemm_stream_kernel<kGemm2><<<static_cast<unsigned>(ctas), ss::kThreads, 0, stream>>>(sp);
-  return cudaGetLastError();
+  return launch_dependent(ss::expert_gemm_stream_kernel<kGemm2>, dim3(static_cast<unsigned>(ctas)), dim3(ss::kThreads),
+                          0, stream, sp);
 }
 
 }  // namespace

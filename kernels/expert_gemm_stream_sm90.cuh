@@ -247,6 +247,7 @@ template <bool kGemm2>
 __global__ void __launch_bounds__(kThreads, 2) expert_gemm_stream_kernel(const StreamParams sp) {
   __shared__ __align__(128) uint8_t smem[kSmemBytes];
   __shared__ int s_last;
+  dependent_launch_prologue();
   const Params& p = sp.base;
 
   int64_t bid = blockIdx.x;

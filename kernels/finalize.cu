@@ -9,6 +9,7 @@
 
 #include <cstdint>
 
+#include "kernels/dependent_launch.cuh"
 #include "kernels/launch.hpp"
 
 namespace fp4moe::kernels {
@@ -23,6 +24,7 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
 }
 
 __global__ void __launch_bounds__(kThreads) finalize_kernel(const FinalizeArgs a) {
+  dependent_launch_prologue();
   const int64_t H = a.hidden_size, groups = H / kCols;
   const int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   if (i >= static_cast<int64_t>(a.num_tokens) * groups) return;
@@ -70,8 +72,7 @@ cudaError_t launch_finalize(const FinalizeArgs& a, cudaStream_t stream) {
   if (!aligned16(a.y) || !aligned16(a.out)) return cudaErrorMisalignedAddress;
   const int64_t blocks = (threads + kThreads - 1) / kThreads;
   if (blocks > 0x7FFFFFFF) return cudaErrorInvalidValue;
-  finalize_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(a);
-  return cudaGetLastError();
+  return launch_dependent(finalize_kernel, dim3(static_cast<unsigned>(blocks)), dim3(kThreads), 0, stream, a);
 }
 
 }  // namespace fp4moe::kernels

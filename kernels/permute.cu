@@ -19,6 +19,7 @@
 
 #include <cstdint>
 
+#include "kernels/dependent_launch.cuh"
 #include "kernels/launch.hpp"
 
 namespace fp4moe::kernels {
@@ -166,6 +167,7 @@ __device__ void write_offsets_and_tiles(const int32_t* offsets, int num_experts,
 
 // ---- one chunk: everything in one block ------------------------------------------------------------
 __global__ void __launch_bounds__(kThreads) permute_fused_kernel(const PermuteArgs a) {
+  dependent_launch_prologue();
   __shared__ PermuteShared sh;
   const int E = a.num_experts, nb = E + 1;
   const int64_t n = static_cast<int64_t>(a.num_tokens) * a.top_k;
@@ -198,6 +200,7 @@ __global__ void __launch_bounds__(kThreads) permute_fused_kernel(const PermuteAr
 
 // ---- several chunks ------------------------------------------------------------------------------
 __global__ void __launch_bounds__(kThreads) permute_count_kernel(const PermuteArgs a) {
+  dependent_launch_prologue();
   __shared__ int32_t counts[kMaxBuckets];
   const int E = a.num_experts, nb = E + 1;
   const int64_t n = static_cast<int64_t>(a.num_tokens) * a.top_k;
@@ -212,6 +215,7 @@ __global__ void __launch_bounds__(kThreads) permute_count_kernel(const PermuteAr
 }
 
 __global__ void __launch_bounds__(kThreads) permute_scan_kernel(const PermuteArgs a, int num_chunks) {
+  dependent_launch_prologue();
   __shared__ PermuteShared sh;
   const int E = a.num_experts, nb = E + 1;
   int32_t* scratch = static_cast<int32_t*>(a.scratch);
@@ -242,6 +246,7 @@ __global__ void __launch_bounds__(kThreads) permute_scan_kernel(const PermuteArg
 }
 
 __global__ void __launch_bounds__(kThreads) permute_scatter_kernel(const PermuteArgs a) {
+  dependent_launch_prologue();
   __shared__ PermuteShared sh;
   const int E = a.num_experts, nb = E + 1;
   const int64_t n = static_cast<int64_t>(a.num_tokens) * a.top_k;
@@ -279,15 +284,16 @@ cudaError_t launch_permute(const PermuteArgs& a, cudaStream_t stream) {
   // NOTE: T = 0 still launches the fused kernel: expert_offsets (all zero) and num_tiles (0) must be
   // written for the GEMMs that follow.
   if (n <= kChunk) {
-    permute_fused_kernel<<<1, kThreads, 0, stream>>>(a);
-    return cudaGetLastError();
+    return launch_dependent(permute_fused_kernel, dim3(1), dim3(kThreads), 0, stream, a);
   }
   if (a.scratch == nullptr) return cudaErrorInvalidValue;
   const int64_t chunks = num_chunks(n);
-  permute_count_kernel<<<static_cast<unsigned>(chunks), kThreads, 0, stream>>>(a);
-  permute_scan_kernel<<<1, kThreads, 0, stream>>>(a, static_cast<int>(chunks));
-  permute_scatter_kernel<<<static_cast<unsigned>(chunks), kThreads, 0, stream>>>(a);
-  return cudaGetLastError();
+  const dim3 grid(static_cast<unsigned>(chunks)), block(kThreads);
+  if (cudaError_t e = launch_dependent(permute_count_kernel, grid, block, 0, stream, a); e != cudaSuccess) return e;
+  if (cudaError_t e = launch_dependent(permute_scan_kernel, dim3(1), block, 0, stream, a, static_cast<int>(chunks));
+      e != cudaSuccess)
+    return e;
+  return launch_dependent(permute_scatter_kernel, grid, block, 0, stream, a);
 }
 
 }  // namespace fp4moe::kernels

@@ -17,6 +17,7 @@
 
 #include <cstdint>
 
+#include "kernels/dependent_launch.cuh"
 #include "kernels/launch.hpp"
 #include "kernels/nvfp4_device.cuh"
 
@@ -61,6 +62,7 @@ __global__ void __launch_bounds__(kThreads)
     quantize_nvfp4_kernel(const __nv_bfloat16* __restrict__ x, int64_t rows, int64_t cols,
                           const float* __restrict__ input_scale, uint8_t* __restrict__ packed,
                           uint8_t* __restrict__ scales, bool swizzled) {
+  dependent_launch_prologue();
   const int64_t nb = cols / nvfp4::kBlock;                  // scale columns
   const int64_t grid_cols = swizzled ? (nb + 3) / 4 * 4 : nb;
   const int64_t grid_rows = swizzled ? (rows + 127) / 128 * 128 : rows;
@@ -86,6 +88,7 @@ __global__ void __launch_bounds__(kThreads)
 // NOTE: one thread per block with a flat 64-bit index paid two 64-bit divisions per 16 elements,
 // about as many instructions as the quantization itself.
 __global__ void __launch_bounds__(kGatherThreads) gather_quantize_kernel(const GatherArgs a) {
+  dependent_launch_prologue();
   const int nb = a.hidden_size / nvfp4::kBlock;
   const int64_t r = blockIdx.x;
   const int32_t entry = a.row_to_entry[r];
@@ -136,9 +139,8 @@ cudaError_t launch_quantize_nvfp4(const __nv_bfloat16* x, int64_t rows, int64_t 
   const int64_t nb = cols / nvfp4::kBlock;
   const int64_t threads = swizzled ? (rows + 127) / 128 * 128 * ((nb + 3) / 4 * 4) : rows * nb;
   if (grid_for(threads) > 0x7FFFFFFFu) return cudaErrorInvalidValue;
-  quantize_nvfp4_kernel<<<grid_for(threads), kThreads, 0, stream>>>(x, rows, cols, input_scale, packed,
-                                                                     scales, swizzled);
-  return cudaGetLastError();
+  return launch_dependent(quantize_nvfp4_kernel, dim3(grid_for(threads)), dim3(kThreads), 0, stream, x, rows, cols,
+                          input_scale, packed, scales, swizzled);
 }
 
 cudaError_t launch_gather_quantize(const GatherArgs& a, cudaStream_t stream) {
@@ -154,8 +156,7 @@ cudaError_t launch_gather_quantize(const GatherArgs& a, cudaStream_t stream) {
     return cudaErrorInvalidValue;
   if (!aligned(a.hidden, 16) || !aligned(a.a1, 16)) return cudaErrorMisalignedAddress;
   if (rows > 0x7FFFFFFF) return cudaErrorInvalidValue;
-  gather_quantize_kernel<<<static_cast<unsigned>(rows), kGatherThreads, 0, stream>>>(a);
-  return cudaGetLastError();
+  return launch_dependent(gather_quantize_kernel, dim3(static_cast<unsigned>(rows)), dim3(kGatherThreads), 0, stream, a);
 }
 
 }  // namespace fp4moe::kernels

@@ -18,6 +18,7 @@
 
 #include <cstdint>
 
+#include "kernels/dependent_launch.cuh"
 #include "kernels/launch.hpp"
 
 namespace fp4moe::kernels {
@@ -71,6 +72,7 @@ template <int VPT>  // values per lane: E <= 32 * VPT
 __global__ void __launch_bounds__(kWarpsPerBlock * 32)
     route_kernel(const RouteArgs args) {
   __shared__ float group_c[kWarpsPerBlock][kMaxExperts];  // DeepSeekV3 grouped selection only
+  dependent_launch_prologue();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t t = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + warp;
   if (t >= args.num_tokens) return;  // the whole warp leaves together
@@ -251,13 +253,9 @@ cudaError_t launch_route(const RouteArgs& args, cudaStream_t stream) {
   const unsigned blocks =
       static_cast<unsigned>((static_cast<int64_t>(args.num_tokens) + kWarpsPerBlock - 1) / kWarpsPerBlock);
   const dim3 block(kWarpsPerBlock * 32);
-  if (args.num_experts <= 32)
-    route_kernel<1><<<blocks, block, 0, stream>>>(args);
-  else if (args.num_experts <= 128)
-    route_kernel<4><<<blocks, block, 0, stream>>>(args);
-  else
-    route_kernel<16><<<blocks, block, 0, stream>>>(args);
-  return cudaGetLastError();
+  if (args.num_experts <= 32) return launch_dependent(route_kernel<1>, dim3(blocks), block, 0, stream, args);
+  if (args.num_experts <= 128) return launch_dependent(route_kernel<4>, dim3(blocks), block, 0, stream, args);
+  return launch_dependent(route_kernel<16>, dim3(blocks), block, 0, stream, args);
 }
 
 }  // namespace fp4moe::kernels

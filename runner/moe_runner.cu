@@ -310,8 +310,27 @@ Status GpuMoeRunner::run(cudaStream_t stream, const ForwardArgs& a, bool routed,
   void* ws = a.workspace;
   auto* ids = a.topk_ids;
   auto* weights = a.topk_weights;
+  const TacticSelector::Choice choice = choice_for(T);
+  const MoeTactic& tactic = choice.tactic;
+  if (log_level() >= LogLevel::Debug)
+    log_line(forced_tactic_ ? detail::concat("forward ", p.describe(), " T=", T, " tactic ", describe(tactic), " (forced)")
+                            : describe_choice(p, T, choice),
+             LogLevel::Debug);
+  const int tile_rows = kernels::gemm_tile_rows(tactic);
+  const int64_t tiles = kernels::max_tiles(entries, E, tile_rows);
 
   if (marks) cudaEventRecord(marks[0], stream);
+  // NOTE: the split-K arrival counters must be zero when the GEMMs start; the workspace may be shared
+  // with other work between forwards, so they are cleared here, first: a memset between two kernels
+  // would break the chain of dependent launches (kernels/dependent_launch.cuh).
+  if (tactic.split_k > 1) {
+    auto clear_counters = [&](size_t offset, int64_t N) -> cudaError_t {
+      return cudaMemsetAsync(region<char>(ws, offset), 0, kernels::gemm_stream_counter_bytes(tiles, N), stream);
+    };
+    cudaError_t e = clear_counters(plan.split1, p.w13_rows());
+    if (e == cudaSuccess) e = clear_counters(plan.split2, p.hidden);
+    if (e != cudaSuccess) return Status::failure(cuda_message("clearing the split-K counters", e));
+  }
   if (routed && marks) cudaEventRecord(marks[1], stream);
   if (!routed) {
     kernels::RouteArgs r;
@@ -331,13 +350,7 @@ Status GpuMoeRunner::run(cudaStream_t stream, const ForwardArgs& a, bool routed,
   pa.num_tokens = T;
   pa.top_k = k;
   pa.num_experts = E;
-  const TacticSelector::Choice choice = choice_for(T);
-  const MoeTactic& tactic = choice.tactic;
-  if (log_level() >= LogLevel::Debug)
-    log_line(forced_tactic_ ? detail::concat("forward ", p.describe(), " T=", T, " tactic ", describe(tactic), " (forced)")
-                            : describe_choice(p, T, choice),
-             LogLevel::Debug);
-  pa.tile_rows = kernels::gemm_tile_rows(tactic);
+  pa.tile_rows = tile_rows;
   pa.expert_offsets = region<int32_t>(ws, plan.expert_offsets);
   pa.row_to_entry = region<int32_t>(ws, plan.row_to_entry);
   pa.entry_to_row = region<int32_t>(ws, plan.entry_to_row);
@@ -362,7 +375,6 @@ Status GpuMoeRunner::run(cudaStream_t stream, const ForwardArgs& a, bool routed,
   g.a1 = region<__nv_bfloat16>(ws, plan.a1);
   FP4MOE_LAUNCH(3, "gather_quantize", kernels::launch_gather_quantize(g, stream));
 
-  const int64_t tiles = kernels::max_tiles(entries, E, pa.tile_rows);
   auto common = [&](kernels::ExpertGemmArgs& x, const kernels::PrepackedWeights& pw, const DeviceBytes& wb,
                     const DeviceBytes& sb, const DeviceBytes& alpha, int64_t K, int64_t N) {
     x.w = wb.as<uint8_t>();
@@ -379,16 +391,6 @@ Status GpuMoeRunner::run(cudaStream_t stream, const ForwardArgs& a, bool routed,
     x.N = N;
     x.tactic = tactic;
   };
-  // NOTE: the split-K arrival counters must be zero at launch; the workspace may be shared with other
-  // work between forwards, so they are cleared here (a few hundred bytes; a memset node in a graph).
-  auto clear_counters = [&](size_t offset, int64_t N) -> cudaError_t {
-    return cudaMemsetAsync(region<char>(ws, offset), 0, kernels::gemm_stream_counter_bytes(tiles, N), stream);
-  };
-  if (tactic.split_k > 1) {
-    cudaError_t e = clear_counters(plan.split1, p.w13_rows());
-    if (e == cudaSuccess) e = clear_counters(plan.split2, p.hidden);
-    if (e != cudaSuccess) return Status::failure(cuda_message("clearing the split-K counters", e));
-  }
   kernels::Gemm1Args g1;
   common(g1, w13_, w13_bytes_, w13_scale_bytes_, alpha1_, p.hidden, p.w13_rows());
   g1.a = g.a1;
