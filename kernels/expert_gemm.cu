@@ -52,7 +52,7 @@ bool wgmma_tactic(const MoeTactic& t) {
   return t.kernel == GemmKernel::Sm90Wgmma && (t.tile_tokens == 128 || t.tile_tokens == 256) && t.split_k == 1;
 }
 bool stream_tactic(const MoeTactic& t) {
-  return t.kernel == GemmKernel::Sm90Stream && t.tile_tokens == gemm_stream_tile_rows() && t.split_k >= 1 &&
+  return t.kernel == GemmKernel::Sm90Stream && gemm_stream_tile_supported(t.tile_tokens) && t.split_k >= 1 &&
          t.split_k <= kMaxStreamSplitK;
 }
 
@@ -83,7 +83,8 @@ int gemm_tile_rows() { return sm90gemm::TileConfig<128>::kTileRows; }
 int gemm_tile_rows(const MoeTactic& t) { return t.tile_tokens; }
 
 cudaError_t launch_gemm1_act(const Gemm1Args& args, cudaStream_t stream) {
-  if (stream_tactic(args.tactic)) return launch_gemm1_act_stream(args, args.tactic.split_k, stream);
+  if (stream_tactic(args.tactic))
+    return launch_gemm1_act_stream(args, args.tactic.tile_tokens, args.tactic.split_k, stream);
   if (!wgmma_tactic(args.tactic) || !common_args_valid(args)) return cudaErrorInvalidValue;
   const bool gated = args.activation.kind != Activation::Relu2;
   if (gated && args.N % 32 != 0) return cudaErrorInvalidValue;  // I = N/2 must be a multiple of 16
@@ -104,7 +105,7 @@ cudaError_t launch_gemm1_act(const Gemm1Args& args, cudaStream_t stream) {
 }
 
 cudaError_t launch_gemm2(const Gemm2Args& args, cudaStream_t stream) {
-  if (stream_tactic(args.tactic)) return launch_gemm2_stream(args, args.tactic.split_k, stream);
+  if (stream_tactic(args.tactic)) return launch_gemm2_stream(args, args.tactic.tile_tokens, args.tactic.split_k, stream);
   if (!wgmma_tactic(args.tactic) || !common_args_valid(args)) return cudaErrorInvalidValue;
   if (args.max_tiles > 0 && (!args.row_to_entry || (!args.y && !args.out) || (args.y && !aligned(args.y, 4))))
     return cudaErrorInvalidValue;
