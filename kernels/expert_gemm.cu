@@ -47,7 +47,7 @@ bool wgmma_tactic(const MoeTactic& t) {
   return t.kernel == GemmKernel::Sm90Wgmma && (t.tile_tokens == 128 || t.tile_tokens == 256) && t.split_k == 1;
 }
 bool stream_tactic(const MoeTactic& t) {
-  return t.kernel == GemmKernel::Sm90Stream && t.tile_tokens == gemm_stream_tile_rows() && t.split_k >= 1 &&
+  return t.kernel == GemmKernel::Sm90Stream && gemm_stream_tile_supported(t.tile_tokens) && t.split_k >= 1 &&
          t.split_k <= kMaxStreamSplitK;
 }
 
@@ -78,14 +78,16 @@ int gemm_tile_rows() { return sm90gemm::TileConfig<128>::kTileRows; }
 int gemm_tile_rows(const MoeTactic& t) { return t.tile_tokens; }
 
 cudaError_t launch_gemm1_act(const Gemm1Args& args, cudaStream_t stream) {
-  if (stream_tactic(args.tactic)) return launch_gemm1_act_stream(args, args.tactic.split_k, stream);
+  if (stream_tactic(args.tactic))
+    return launch_gemm1_act_stream(args, args.tactic.tile_tokens, args.tactic.split_k, stream);
   sm90gemm::Params p;
   if (!wgmma_tactic(args.tactic) || !gemm_detail::gemm1_params(args, p)) return cudaErrorInvalidValue;
   return launch(p, args.tactic, p.epilogue == sm90gemm::Epilogue::Gemm1Gated, p.out_cols, stream);
 }
 
 cudaError_t launch_gemm2(const Gemm2Args& args, cudaStream_t stream) {
-  if (stream_tactic(args.tactic)) return launch_gemm2_stream(args, args.tactic.split_k, stream);
+  if (stream_tactic(args.tactic))
+    return launch_gemm2_stream(args, args.tactic.tile_tokens, args.tactic.split_k, stream);
   sm90gemm::Params p;
   if (!wgmma_tactic(args.tactic) || !gemm_detail::gemm2_params(args, p)) return cudaErrorInvalidValue;
   return launch(p, args.tactic, false, args.N, stream);

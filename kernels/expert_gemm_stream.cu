@@ -2,12 +2,14 @@
 // (kernels/expert_gemm_stream_sm90.cuh, GemmKernel::Sm90Stream).
 //
 //   1. Check the arguments as launch_gemm1_act / launch_gemm2 do (cudaErrorInvalidValue), plus
-//      split_k in [1, kMaxStreamSplitK] and, for split_k > 1, the workspace.
+//      tile_rows in {16, 32}, split_k in [1, kMaxStreamSplitK] and, for split_k > 1, the workspace.
 //   2. Grid (1-D): max_tiles tiles x split_k x CTAs along N (128 weight rows; gated GEMM1: 64
-//      intermediate columns), 256 threads, 16 KiB of static shared memory; CTAs past *num_tiles leave.
-//   3. Two instantiations: GEMM1 (gated or relu2, bf16 or NVFP4 output, at run time) and GEMM2.
-// Workspace (split_k > 1): [counters: outs int32, padded to 256 B][partials: outs * split_k * 8 KiB],
-// outs = max_tiles * ceil(N / 128).
+//      intermediate columns), 256 threads, 16 / 32 KiB of static shared memory (16- / 32-row tiles);
+//      CTAs past *num_tiles leave.
+//   3. Four instantiations: GEMM1 (gated or relu2, bf16 or NVFP4 output, at run time) and GEMM2, for
+//      each tile size.
+// Workspace (split_k > 1): [counters: outs int32, padded to 256 B][partials: outs * split_k * 8 / 16
+// KiB], outs = max_tiles * ceil(N / 128).
 #define FP4MOE_SM90GEMM_HELPERS_ONLY 1  // the wgmma kernel itself is defined in expert_gemm.cu
 
 #include <cuda_runtime.h>
@@ -43,25 +45,31 @@ bool split_valid(const ExpertGemmArgs& a, int split_k, ss::StreamParams& sp) {
   return true;
 }
 
+int64_t partial_floats(int tile_rows) {
+  return tile_rows == 32 ? ss::StreamTile<32>::kPartialFloats : ss::StreamTile<16>::kPartialFloats;
+}
+
+// The one place where a streaming tactic's tile size becomes a kernel instantiation.
 template <bool kGemm2>
-cudaError_t launch(ss::StreamParams sp, cudaStream_t stream) {
+cudaError_t launch(ss::StreamParams sp, int tile_rows, cudaStream_t stream) {
   if (sp.base.max_tiles == 0) return cudaSuccess;
   const int64_t n_ctas = n_ctas_of(sp.base.N);
   const int64_t ctas = static_cast<int64_t>(sp.base.max_tiles) * sp.split_k * n_ctas;
   if (ctas > INT_MAX) return cudaErrorInvalidConfiguration;
   sp.base.n_ctas = static_cast<int>(n_ctas);
-  return launch_dependent(ss::expert_gemm_stream_kernel<kGemm2>, dim3(static_cast<unsigned>(ctas)), dim3(ss::kThreads),
-                          0, stream, sp);
+  const dim3 grid(static_cast<unsigned>(ctas)), block(ss::kThreads);
+  if (tile_rows == 32) return launch_dependent(ss::expert_gemm_stream_kernel<kGemm2, 32>, grid, block, 0, stream, sp);
+  return launch_dependent(ss::expert_gemm_stream_kernel<kGemm2, 16>, grid, block, 0, stream, sp);
 }
 
 }  // namespace
 
-int gemm_stream_tile_rows() { return ss::kTileRows; }
+bool gemm_stream_tile_supported(int tile_rows) { return tile_rows == 16 || tile_rows == 32; }
 
-size_t gemm_stream_workspace_bytes(int64_t max_tiles, int64_t N_rows, int split_k) {
-  if (split_k <= 1 || max_tiles <= 0 || N_rows <= 0) return 0;
+size_t gemm_stream_workspace_bytes(int64_t max_tiles, int64_t N_rows, int tile_rows, int split_k) {
+  if (split_k <= 1 || max_tiles <= 0 || N_rows <= 0 || !gemm_stream_tile_supported(tile_rows)) return 0;
   const int64_t outs = max_tiles * n_ctas_of(N_rows);
-  return static_cast<size_t>(counter_bytes(outs) + outs * split_k * int64_t{ss::kPartialFloats} * 4);
+  return static_cast<size_t>(counter_bytes(outs) + outs * split_k * partial_floats(tile_rows) * 4);
 }
 
 size_t gemm_stream_counter_bytes(int64_t max_tiles, int64_t N_rows) {
@@ -69,16 +77,20 @@ size_t gemm_stream_counter_bytes(int64_t max_tiles, int64_t N_rows) {
   return static_cast<size_t>(counter_bytes(max_tiles * n_ctas_of(N_rows)));
 }
 
-cudaError_t launch_gemm1_act_stream(const Gemm1Args& args, int split_k, cudaStream_t stream) {
+cudaError_t launch_gemm1_act_stream(const Gemm1Args& args, int tile_rows, int split_k, cudaStream_t stream) {
   ss::StreamParams sp{};
-  if (!gemm_detail::gemm1_params(args, sp.base) || !split_valid(args, split_k, sp)) return cudaErrorInvalidValue;
-  return launch<false>(sp, stream);
+  if (!gemm_stream_tile_supported(tile_rows) || !gemm_detail::gemm1_params(args, sp.base) ||
+      !split_valid(args, split_k, sp))
+    return cudaErrorInvalidValue;
+  return launch<false>(sp, tile_rows, stream);
 }
 
-cudaError_t launch_gemm2_stream(const Gemm2Args& args, int split_k, cudaStream_t stream) {
+cudaError_t launch_gemm2_stream(const Gemm2Args& args, int tile_rows, int split_k, cudaStream_t stream) {
   ss::StreamParams sp{};
-  if (!gemm_detail::gemm2_params(args, sp.base) || !split_valid(args, split_k, sp)) return cudaErrorInvalidValue;
-  return launch<true>(sp, stream);
+  if (!gemm_stream_tile_supported(tile_rows) || !gemm_detail::gemm2_params(args, sp.base) ||
+      !split_valid(args, split_k, sp))
+    return cudaErrorInvalidValue;
+  return launch<true>(sp, tile_rows, stream);
 }
 
 }  // namespace fp4moe::kernels

@@ -41,7 +41,7 @@
 //     = activation row g, 2 consecutive K values: ldmatrix (non-transposed) of an 8x8 b16 matrix whose
 //     8 rows are 8 tokens' 16-byte K segments gives lane (g, t) exactly that row g, elements 2t, 2t+1.
 //   D 16x8: c0, c1 = row g, tokens 2t, 2t+1; c2, c3 = row g+8, same tokens.
-//   acc[h][4]: n8 half h (tokens 8h..8h+7); NT = 8 (valid rows <= 8) runs half 0 only.
+//   acc[h][4]: n8 tile h (tokens 8h..8h+7); NT (8, 16 or 32 <= tile rows) covers the valid rows.
 //
 // NOTE (why registers, not shared memory, for the weights): every weight byte is used by exactly one
 // warp, so staging it in shared memory costs an extra write + read per byte and a barrier; straight
@@ -71,7 +71,6 @@ namespace fp4moe::kernels::sm90stream {
 using sm90gemm::Epilogue;
 using sm90gemm::Params;
 
-inline constexpr int kTileRows = 16;                      // token rows per tile (gemm_stream_tile_rows())
 inline constexpr int kThreads = 256;                      // 8 warps
 inline constexpr int kWarps = kThreads / 32;
 inline constexpr int kRowsPerCta = 16 * kWarps;           // 128 weight rows (gated: 64 gate + 64 up)
@@ -82,20 +81,32 @@ inline constexpr int kGroupsPerCta = kRowsPerCta / 8;     // 16 row groups
 // kDepth 4 (spills) and ~40 register moves per chunk at kDepth 3.
 inline constexpr int kDepth = 4;
 inline constexpr int kActRowBytes = fp4layout::kChunkK * 2;          // 256: 128 bf16
-inline constexpr int kActStageBytes = kTileRows * kActRowBytes;      // 4 KiB
-inline constexpr int kSmemBytes = kDepth * kActStageBytes;           // 16 KiB (static)
-inline constexpr int kStgStride = 24;  // floats per staging row: float2 writes of 8 rows x 4 lanes conflict-free
-inline constexpr int kPartialFloats = kThreads * 8;       // one split's partial of an output tile
-static_assert(kRowsPerCta * kStgStride * 4 <= kSmemBytes, "GEMM1 staging must fit the activation ring");
+
+// The two tile sizes (MoeTactic::tile_tokens): 16 token rows (two n8 halves), or 32 (four): an expert
+// with 17..32 rows then streams its weights once instead of twice, for 8 more accumulators and one
+// more activation copy per thread.
+template <int TileRows>
+struct StreamTile {
+  static_assert(TileRows == 16 || TileRows == 32, "tile_tokens is 16 or 32");
+  static constexpr int kTileRows = TileRows;
+  static constexpr int kHalves = TileRows / 8;                        // n8 accumulator tiles
+  static constexpr int kActStageBytes = TileRows * kActRowBytes;     // 4 / 8 KiB
+  static constexpr int kSmemBytes = kDepth * kActStageBytes;         // 16 / 32 KiB (static)
+  static constexpr int kCopies = TileRows * (kActRowBytes / 16) / kThreads;  // 16-byte copies per thread per chunk
+  static constexpr int kStgStride = TileRows + 8;  // floats per staging row: float2 writes conflict-free
+  static constexpr int kPartialFloats = kThreads * 4 * kHalves;      // one split's partial of an output tile
+  static_assert(kRowsPerCta * kStgStride * 4 <= kSmemBytes, "GEMM1 staging must fit the activation ring");
+  static_assert(kStgStride % 32 == 8 || kStgStride % 32 == 24, "8 rows x 4 lanes of float2 on distinct banks");
+  static_assert(kCopies * kThreads == TileRows * (kActRowBytes / 16), "activation copies split evenly");
+};
 static_assert(kThreads == sm90gemm::kConsumerThreads, "gemm1_epilogue's items are strided by 256 threads");
-static_assert(kTileRows * (kActRowBytes / 16) == kThreads, "one 16-byte activation copy per thread per chunk");
 
 struct StreamParams {
   Params base;               // shared with the wgmma kernel (n_ctas = CTAs along N)
   int split_k;               // CTAs along K per output tile
   int chunks_per_split;      // ceil(chunks / split_k)
   int32_t* counters;         // [max_tiles * n_ctas] arrival counters (split_k > 1), zero between launches
-  float* partials;           // [max_tiles * n_ctas * split_k][kPartialFloats] (split_k > 1)
+  float* partials;           // [max_tiles * n_ctas * split_k][StreamTile::kPartialFloats] (split_k > 1)
 };
 
 // ---- PTX wrappers -----------------------------------------------------------------------------------
@@ -136,20 +147,29 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4],
 // Chunks [c0, c1) of this CTA's split. w_a / w_b / s_a / s_b: this lane's weight word / scale bytes of
 // chunk c0 of the warp's two row groups (rows g, rows g+8); wvalid: the warp's rows lie inside N
 // (warp-uniform; otherwise it loads and computes nothing but still takes part in the barriers).
-// a_src: this thread's activation row (token row tid/16 of the tile) or nullptr past the tile's rows.
-template <int NT>
+// a_src[i]: this thread's activation row i (token row tid/16 + 16i of the tile) or nullptr past the
+// tile's rows.
+template <class C, int NT>
 __device__ __forceinline__ void mainloop(const Params& p, uint32_t smem_base, const uint8_t* w_a, const uint8_t* w_b,
                                          const uint8_t* s_a, const uint8_t* s_b, const bool wvalid,
-                                         const __nv_bfloat16* a_src, int c0, int c1, float (&acc)[2][4]) {
+                                         const __nv_bfloat16* const (&a_src)[C::kCopies], int c0, int c1,
+                                         float (&acc)[C::kHalves][4]) {
+  static_assert(NT <= C::kTileRows, "wgmma width past the tile");
+  constexpr int kActStageBytes = C::kActStageBytes;
   const int tid = threadIdx.x, lane = tid % 32;
-  // Activation copy of this thread: row r, 16-byte segment c, stored swizzled at c ^ (r & 7).
+  // Activation copy i of this thread: row r = tid/16 + 16i, 16-byte segment c, stored at c ^ (r & 7)
+  // (r + 16 has the same r & 7).
   const int cr = tid / 16, cc = tid % 16;
   const uint32_t copy_dst = smem_base + cr * kActRowBytes + ((cc ^ (cr & 7)) << 4);
   auto issue_act = [&](int kc, int stage) {
     if (kc < c1) {
       const int col = kc * fp4layout::kChunkK + cc * 8;
-      const bool ok = a_src != nullptr && col < p.K;  // K % 16 == 0: a segment is wholly in or out
-      sm90gemm::cp_async16(copy_dst + stage * kActStageBytes, ok ? a_src + col : p.a, ok ? 16u : 0u);
+#pragma unroll
+      for (int i = 0; i < C::kCopies; ++i) {
+        const bool ok = a_src[i] != nullptr && col < p.K;  // K % 16 == 0: a segment is wholly in or out
+        sm90gemm::cp_async16(copy_dst + stage * kActStageBytes + i * 16 * kActRowBytes, ok ? a_src[i] + col : p.a,
+                             ok ? 16u : 0u);
+      }
     }
     sm90gemm::cp_async_commit();  // always (possibly empty): one group per chunk slot keeps the count
   };
@@ -222,11 +242,14 @@ __device__ __forceinline__ void mainloop(const Params& p, uint32_t smem_base, co
         for (int st = 0; st < 2; ++st) {
           const int s = 2 * q + st;  // k16 step of the chunk: 16-byte segments 2s, 2s+1
           const uint32_t addr = stage + (((2 * s) ^ lx) << 4);
-          if constexpr (NT == 16) {
-            uint32_t b0, b1, b2, b3;
-            ldsm_x4(addr, b0, b1, b2, b3);
-            mma_16816(acc[0], f[st], b0, b1);
-            mma_16816(acc[1], f[st], b2, b3);
+          if constexpr (NT >= 16) {
+#pragma unroll
+            for (int q16 = 0; q16 < NT / 16; ++q16) {  // tokens 16 q16 .. 16 q16 + 15
+              uint32_t b0, b1, b2, b3;
+              ldsm_x4(addr + q16 * 16 * kActRowBytes, b0, b1, b2, b3);
+              mma_16816(acc[2 * q16], f[st], b0, b1);
+              mma_16816(acc[2 * q16 + 1], f[st], b2, b3);
+            }
           } else {
             uint32_t b0, b1;
             ldsm_x2(addr, b0, b1);
@@ -243,9 +266,12 @@ __device__ __forceinline__ void mainloop(const Params& p, uint32_t smem_base, co
 
 // ---- kernel -------------------------------------------------------------------------------------------
 // kGemm2: GEMM2 epilogue (y or the fused top-1 finalize); otherwise GEMM1 (gated or relu2, at run time).
-template <bool kGemm2>
+template <bool kGemm2, int TileRows>
 __global__ void __launch_bounds__(kThreads, 2) expert_gemm_stream_kernel(const StreamParams sp) {
-  __shared__ __align__(128) uint8_t smem[kSmemBytes];
+  using C = StreamTile<TileRows>;
+  constexpr int kTileRows = C::kTileRows, kHalves = C::kHalves, kStgStride = C::kStgStride;
+  constexpr int kPartialFloats = C::kPartialFloats;
+  __shared__ __align__(128) uint8_t smem[C::kSmemBytes];
   __shared__ int s_last;
   dependent_launch_prologue();
   const Params& p = sp.base;
@@ -258,13 +284,16 @@ __global__ void __launch_bounds__(kThreads, 2) expert_gemm_stream_kernel(const S
   if (tile >= *p.num_tiles) return;  // the whole CTA leaves before any barrier
   const int expert = p.tile_expert[tile];
   int valid_rows;
-  const __nv_bfloat16* a_src;  // this thread's activation row (token row tid / 16) or nullptr
+  const __nv_bfloat16* a_src[C::kCopies];  // this thread's activation rows (tid / 16 + 16 i) or nullptr
   {
     const int64_t row_start = p.tile_row_start[tile];
     valid_rows = static_cast<int>(min(static_cast<int64_t>(kTileRows), p.expert_offsets[expert + 1] - row_start));
     if (valid_rows <= 0) return;
-    const int arow = threadIdx.x / 16;
-    a_src = arow < valid_rows ? p.a + (row_start + arow) * static_cast<int64_t>(p.K) : nullptr;
+#pragma unroll
+    for (int i = 0; i < C::kCopies; ++i) {
+      const int arow = threadIdx.x / 16 + 16 * i;
+      a_src[i] = arow < valid_rows ? p.a + (row_start + arow) * static_cast<int64_t>(p.K) : nullptr;
+    }
   }
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
@@ -292,24 +321,25 @@ __global__ void __launch_bounds__(kThreads, 2) expert_gemm_stream_kernel(const S
   const uint8_t* s_b = p.w_scale + cb * fp4layout::kChunkScaleBytes + g * 8;
   const uint32_t smem_base = sm90gemm::smem_addr(smem);
 
-  float acc[2][4];
+  float acc[kHalves][4];
 #pragma unroll
-  for (int h = 0; h < 2; ++h)
+  for (int h = 0; h < kHalves; ++h)
 #pragma unroll
     for (int r = 0; r < 4; ++r) acc[h][r] = 0.0f;
-  if (valid_rows <= 8) mainloop<8>(p, smem_base, w_a, w_b, s_a, s_b, wvalid, a_src, c0, c1, acc);
-  else mainloop<16>(p, smem_base, w_a, w_b, s_a, s_b, wvalid, a_src, c0, c1, acc);
+  if (valid_rows <= 8) mainloop<C, 8>(p, smem_base, w_a, w_b, s_a, s_b, wvalid, a_src, c0, c1, acc);
+  else if (kTileRows == 16 || valid_rows <= 16) mainloop<C, 16>(p, smem_base, w_a, w_b, s_a, s_b, wvalid, a_src, c0, c1, acc);
+  else mainloop<C, kTileRows>(p, smem_base, w_a, w_b, s_a, s_b, wvalid, a_src, c0, c1, acc);
   // NOTE: the epilogue reloads the tile's row start (L1/L2 hit) rather than keeping it live across the
   // main loop, whose weight ring needs every register of the 128 (a spill otherwise).
   const int64_t row_start = p.tile_row_start[tile];
 
   if (sp.split_k > 1) {
-    // Publish this split's partial (fragment order, so the stores and the sums are 2 x 16 B per thread).
+    // Publish this split's partial (fragment order: kHalves x 16 B per thread, stored and summed whole).
     const int64_t out_tile = static_cast<int64_t>(tile) * p.n_ctas + ntile;
-    float* part = sp.partials + (out_tile * sp.split_k) * kPartialFloats + tid * 8;
+    float* part = sp.partials + (out_tile * sp.split_k) * kPartialFloats + tid * 4 * kHalves;
     float4* mine = reinterpret_cast<float4*>(part + static_cast<int64_t>(split) * kPartialFloats);
-    mine[0] = make_float4(acc[0][0], acc[0][1], acc[0][2], acc[0][3]);
-    mine[1] = make_float4(acc[1][0], acc[1][1], acc[1][2], acc[1][3]);
+#pragma unroll
+    for (int h = 0; h < kHalves; ++h) mine[h] = make_float4(acc[h][0], acc[h][1], acc[h][2], acc[h][3]);
     __threadfence();  // the partial is visible device-wide before this CTA's arrival
     __syncthreads();
     if (tid == 0) {
@@ -325,15 +355,15 @@ __global__ void __launch_bounds__(kThreads, 2) expert_gemm_stream_kernel(const S
 #pragma unroll 1
     for (int s = 0; s < sp.split_k; ++s) {
       const float4* src = reinterpret_cast<const float4*>(part + static_cast<int64_t>(s) * kPartialFloats);
-      const float4 v0 = __ldcg(src), v1 = __ldcg(src + 1);
-      if (s == 0) {
-        acc[0][0] = v0.x, acc[0][1] = v0.y, acc[0][2] = v0.z, acc[0][3] = v0.w;
-        acc[1][0] = v1.x, acc[1][1] = v1.y, acc[1][2] = v1.z, acc[1][3] = v1.w;
-      } else {
-        acc[0][0] = __fadd_rn(acc[0][0], v0.x), acc[0][1] = __fadd_rn(acc[0][1], v0.y);
-        acc[0][2] = __fadd_rn(acc[0][2], v0.z), acc[0][3] = __fadd_rn(acc[0][3], v0.w);
-        acc[1][0] = __fadd_rn(acc[1][0], v1.x), acc[1][1] = __fadd_rn(acc[1][1], v1.y);
-        acc[1][2] = __fadd_rn(acc[1][2], v1.z), acc[1][3] = __fadd_rn(acc[1][3], v1.w);
+#pragma unroll
+      for (int h = 0; h < kHalves; ++h) {
+        const float4 v = __ldcg(src + h);
+        if (s == 0) {
+          acc[h][0] = v.x, acc[h][1] = v.y, acc[h][2] = v.z, acc[h][3] = v.w;
+        } else {
+          acc[h][0] = __fadd_rn(acc[h][0], v.x), acc[h][1] = __fadd_rn(acc[h][1], v.y);
+          acc[h][2] = __fadd_rn(acc[h][2], v.z), acc[h][3] = __fadd_rn(acc[h][3], v.w);
+        }
       }
     }
   }
@@ -342,7 +372,7 @@ __global__ void __launch_bounds__(kThreads, 2) expert_gemm_stream_kernel(const S
   if constexpr (kGemm2) {
     const int n_g = ntile * kRowsPerCta + 16 * warp + g;  // row g of the warp's m16 tile
 #pragma unroll
-    for (int h = 0; h < 2; ++h)
+    for (int h = 0; h < kHalves; ++h)
 #pragma unroll
       for (int r = 0; r < 4; ++r) {
         const int n = n_g + (r >= 2 ? 8 : 0);
@@ -366,7 +396,7 @@ __global__ void __launch_bounds__(kThreads, 2) expert_gemm_stream_kernel(const S
     const int row_g = gated ? 8 * warp + g : 16 * warp + g;
     const int row_g8 = gated ? kRowsPerCta / 2 + 8 * warp + g : 16 * warp + g + 8;
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
+    for (int h = 0; h < kHalves; ++h) {
       const int tok = 8 * h + 2 * t;
       *reinterpret_cast<float2*>(stg + row_g * kStgStride + tok) = make_float2(
           sm90gemm::epilogue_scale(alpha, acc[h][0]), sm90gemm::epilogue_scale(alpha, acc[h][1]));

@@ -171,18 +171,18 @@ cudaError_t launch_gemm2(const Gemm2Args& args, cudaStream_t stream);
 
 // ---- streaming expert GEMMs (GemmKernel::Sm90Stream, kernels/expert_gemm_stream_sm90.cuh) ---------
 // Same arguments and results as launch_gemm1_act / launch_gemm2 (up to the fp32 summation order), for
-// few token rows per expert: the tile table must be built with gemm_stream_tile_rows() (16) and
-// max_tiles(T*k, E, gemm_stream_tile_rows()). split_k (1..kMaxStreamSplitK) CTAs share the K range of
+// few token rows per expert: the tile table must be built with tile_rows (16 or 32) and
+// max_tiles(T*k, E, tile_rows). split_k (1..kMaxStreamSplitK) CTAs share the K range of
 // an output tile; split_k > 1 needs args.split_workspace (see ExpertGemmArgs). The split partial sums
 // are added in fixed split order: results are deterministic run to run.
 inline constexpr int kMaxStreamSplitK = 64;
-int gemm_stream_tile_rows();
-size_t gemm_stream_workspace_bytes(int64_t max_tiles, int64_t N_rows, int split_k);
+bool gemm_stream_tile_supported(int tile_rows);  // 16 or 32
+size_t gemm_stream_workspace_bytes(int64_t max_tiles, int64_t N_rows, int tile_rows, int split_k);
 // The arrival counters at the start of that workspace (for launches with this max_tiles): a caller
 // that cannot guarantee they are still zero (a workspace shared with other work) clears these bytes.
 size_t gemm_stream_counter_bytes(int64_t max_tiles, int64_t N_rows);
-cudaError_t launch_gemm1_act_stream(const Gemm1Args& args, int split_k, cudaStream_t stream);
-cudaError_t launch_gemm2_stream(const Gemm2Args& args, int split_k, cudaStream_t stream);
+cudaError_t launch_gemm1_act_stream(const Gemm1Args& args, int tile_rows, int split_k, cudaStream_t stream);
+cudaError_t launch_gemm2_stream(const Gemm2Args& args, int tile_rows, int split_k, cudaStream_t stream);
 
 // ---- finalize -------------------------------------------------------------------------------------
 // out[t] = bf16( sum_j w[t,j] * y[t*k+j] ), fp32, slots in order; w = 1 when unit_weights.

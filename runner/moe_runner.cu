@@ -65,9 +65,9 @@ struct WorkspacePlan {
   size_t total;
   int64_t max_tiles;
 
-  // split_tokens / split_k: the largest token count served by a split-K tactic and the largest split
-  // (the streaming GEMMs' partial sums; 0 / 1 when no tactic splits).
-  WorkspacePlan(const MoeProblem& p, int64_t max_tokens, int64_t split_tokens, int split_k) {
+  // split1_bytes / split2_bytes: the streaming GEMMs' split-K workspaces (partial sums) of the largest
+  // need among the tactics the runner may use (0 when none splits).
+  WorkspacePlan(const MoeProblem& p, int64_t max_tokens, size_t split1_bytes, size_t split2_bytes) {
     const int64_t entries = max_tokens * p.top_k();
     max_tiles = kernels::max_tiles(entries, p.num_experts, kMinTileRows);
     size_t at = 0;
@@ -83,9 +83,8 @@ struct WorkspacePlan {
     act = take(sizeof(__nv_bfloat16) * entries * p.inter);
     y = take(sizeof(float) * entries * p.hidden);
     error_count = take(sizeof(int32_t));
-    const int64_t split_tiles = kernels::max_tiles(split_tokens * p.top_k(), p.num_experts, kMinTileRows);
-    split1 = take(kernels::gemm_stream_workspace_bytes(split_tiles, p.w13_rows(), split_k));
-    split2 = take(kernels::gemm_stream_workspace_bytes(split_tiles, p.hidden, split_k));
+    split1 = take(split1_bytes);
+    split2 = take(split2_bytes);
     total = at;
   }
 };
@@ -121,12 +120,12 @@ class GpuMoeRunner final : public MoeRunner {
   // The workspace of the current tactic choice (selector or forced): split-K tactics add the streaming
   // GEMMs' partial sums for the largest T they serve.
   WorkspacePlan plan(int64_t max_tokens) const {
-    int64_t split_tokens = 0;
-    int split_k = 1;
-    auto add = [&](const MoeTactic& t, int64_t T) {
-      if (t.split_k <= 1) return;
-      split_tokens = std::max(split_tokens, T);
-      split_k = std::max(split_k, t.split_k);
+    size_t split1 = 0, split2 = 0;
+    auto add = [&](const MoeTactic& t, int64_t T) {  // the split-K workspaces of tactic t at up to T tokens
+      if (t.kernel != GemmKernel::Sm90Stream || t.split_k <= 1) return;
+      const int64_t tiles = kernels::max_tiles(T * problem_.top_k(), problem_.num_experts, t.tile_tokens);
+      split1 = std::max(split1, kernels::gemm_stream_workspace_bytes(tiles, problem_.w13_rows(), t.tile_tokens, t.split_k));
+      split2 = std::max(split2, kernels::gemm_stream_workspace_bytes(tiles, problem_.hidden, t.tile_tokens, t.split_k));
     };
     if (forced_tactic_) {
       add(*forced_tactic_, max_tokens);
@@ -137,7 +136,7 @@ class GpuMoeRunner final : public MoeRunner {
         add(selector_->choices()[b].tactic, std::min(r.hi, max_tokens));
       }
     }
-    return WorkspacePlan(problem_, max_tokens, split_tokens, split_k);
+    return WorkspacePlan(problem_, max_tokens, split1, split2);
   }
   Status run(cudaStream_t stream, const ForwardArgs& args, bool routed, cudaEvent_t const* marks);
 

@@ -24,7 +24,7 @@ struct FamilyRule {
 // One row per kernel family; candidate_tactics enumerates the product and filters by why_invalid.
 const FamilyRule kFamilies[] = {
     {GemmKernel::Sm90Wgmma, {128, 256}, {1}},
-    {GemmKernel::Sm90Stream, {16}, {1, 2, 4}},
+    {GemmKernel::Sm90Stream, {16, 32}, {1, 2, 4}},
 };
 
 constexpr int64_t kKChunk = 128;  // K elements per pipeline stage of the streaming kernel

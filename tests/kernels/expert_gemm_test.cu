@@ -188,16 +188,16 @@ struct GemmKernelUnderTest {
   std::string name;
   int tile_rows;
   int split_k;
-  cudaError_t (*gemm1)(const kernels::Gemm1Args&, int split_k, cudaStream_t);
-  cudaError_t (*gemm2)(const kernels::Gemm2Args&, int split_k, cudaStream_t);
+  cudaError_t (*gemm1)(const kernels::Gemm1Args&, int tile_rows, int split_k, cudaStream_t);
+  cudaError_t (*gemm2)(const kernels::Gemm2Args&, int tile_rows, int split_k, cudaStream_t);
 };
 GemmKernelUnderTest wgmma_kernel() {
   return {"sm90_wgmma", kernels::gemm_tile_rows(), 1,
-          [](const kernels::Gemm1Args& a, int, cudaStream_t s) { return kernels::launch_gemm1_act(a, s); },
-          [](const kernels::Gemm2Args& a, int, cudaStream_t s) { return kernels::launch_gemm2(a, s); }};
+          [](const kernels::Gemm1Args& a, int, int, cudaStream_t s) { return kernels::launch_gemm1_act(a, s); },
+          [](const kernels::Gemm2Args& a, int, int, cudaStream_t s) { return kernels::launch_gemm2(a, s); }};
 }
-GemmKernelUnderTest stream_kernel(int split_k) {
-  return {"sm90_stream/s" + std::to_string(split_k), kernels::gemm_stream_tile_rows(), split_k,
+GemmKernelUnderTest stream_kernel(int split_k, int tile_rows = 16) {
+  return {"sm90_stream/t" + std::to_string(tile_rows) + "/s" + std::to_string(split_k), tile_rows, split_k,
           kernels::launch_gemm1_act_stream, kernels::launch_gemm2_stream};
 }
 
@@ -330,19 +330,20 @@ template <class T, class Args, class Launch>
 std::vector<T> launch_and_download(Args& g, const GemmKernelUnderTest& k, Launch launch, DeviceBuffer<T>& out,
                                    int64_t N) {
   DeviceBuffer<uint8_t> ws;
-  const size_t ws_bytes = k.split_k > 1 ? kernels::gemm_stream_workspace_bytes(g.max_tiles, N, k.split_k) : 0;
+  const size_t ws_bytes =
+      k.split_k > 1 ? kernels::gemm_stream_workspace_bytes(g.max_tiles, N, k.tile_rows, k.split_k) : 0;
   if (ws_bytes > 0) {
     ws = DeviceBuffer<uint8_t>(ws_bytes);
     ws.poison(0);  // zeroed once at allocation
     g.split_workspace = ws.get();
   }
   out.poison(0xFF);
-  EXPECT_EQ(launch(g, k.split_k, nullptr), cudaSuccess);
+  EXPECT_EQ(launch(g, k.tile_rows, k.split_k, nullptr), cudaSuccess);
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   std::vector<T> first = out.download();
   if (ws_bytes == 0) return first;
   out.poison(0xFF);
-  EXPECT_EQ(launch(g, k.split_k, nullptr), cudaSuccess);
+  EXPECT_EQ(launch(g, k.tile_rows, k.split_k, nullptr), cudaSuccess);
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   std::vector<T> second = out.download();
   EXPECT_EQ(0, std::memcmp(first.data(), second.data(), first.size() * sizeof(T))) << "split-K is not deterministic";
@@ -673,7 +674,7 @@ TEST(ExpertGemmKernel, RejectsBadArguments) {
   expect_common_rejections(s, {GemmKernel::Sm90Wgmma, 256, 1});
   // Tactics no kernel has.
   for (const MoeTactic& t : {MoeTactic{GemmKernel::Sm90Wgmma, 64, 1}, MoeTactic{GemmKernel::Sm90Wgmma, 128, 2},
-                             MoeTactic{GemmKernel::Sm90Stream, 32, 1}}) {
+                             MoeTactic{GemmKernel::Sm90Stream, 64, 1}}) {
     EXPECT_EQ(kernels::launch_gemm2(s.gemm2(t), nullptr), cudaErrorInvalidValue) << describe(t);
     EXPECT_EQ(kernels::launch_gemm1_act(s.gemm1(t), nullptr), cudaErrorInvalidValue) << describe(t);
   }
@@ -681,9 +682,11 @@ TEST(ExpertGemmKernel, RejectsBadArguments) {
 
 // ---- the streaming kernel (GemmKernel::Sm90Stream): the same cases, split_k 1 and 3 ----------------------
 // K = 2880 (23 chunks: 23 = 8 + 8 + 7 with split 3), K = 256 (2 chunks: split 3 leaves an empty split),
-// K = 2048 (16 chunks), K = 96 (one chunk). The ragged rows cover both mma widths (<= 8, <= 16 rows) and
-// multi-tile experts (16-row tiles).
-std::vector<GemmKernelUnderTest> stream_kernels() { return {stream_kernel(1), stream_kernel(3)}; }
+// K = 2048 (16 chunks), K = 96 (one chunk), for 16- and 32-row tiles. The ragged rows cover every mma
+// width (<= 8, <= 16, <= 32 rows) and multi-tile experts.
+std::vector<GemmKernelUnderTest> stream_kernels() {
+  return {stream_kernel(1), stream_kernel(3), stream_kernel(1, 32), stream_kernel(3, 32)};
+}
 
 TEST(ExpertGemmStream, Gemm1TinySwiglu) {
   FP4MOE_REQUIRE_SM90();
@@ -744,7 +747,7 @@ TEST(ExpertGemmStream, Gemm1Relu2) {
 
 TEST(ExpertGemmStream, LargerShapes) {
   FP4MOE_REQUIRE_SM90();
-  for (const auto& k : {stream_kernel(1), stream_kernel(3), stream_kernel(5)}) {
+  for (const auto& k : {stream_kernel(1), stream_kernel(3), stream_kernel(5), stream_kernel(5, 32)}) {
     run_gemm1({"deep", 2, 2048, 384, {300, 129}, act_of(Activation::SwiGLU), ActQuant::W4A16, 51}, k);
     run_gemm2({"deep", 2, 1024, 1536, {300, 129}, act_of(Activation::SwiGLU), ActQuant::W4A16, 52}, k);
   }
@@ -768,18 +771,22 @@ TEST(ExpertGemmStream, RejectsBadArguments) {
   FP4MOE_REQUIRE_SM90();
   const BadArgsSetup s(72);
   expect_common_rejections(s, {GemmKernel::Sm90Stream, 16, 1});
+  expect_common_rejections(s, {GemmKernel::Sm90Stream, 32, 1});
   const kernels::Gemm2Args g2 = s.gemm2({GemmKernel::Sm90Stream, 16, 1});
-  EXPECT_EQ(kernels::launch_gemm2_stream(g2, 0, nullptr), cudaErrorInvalidValue);  // split_k < 1
-  EXPECT_EQ(kernels::launch_gemm2_stream(g2, kernels::kMaxStreamSplitK + 1, nullptr), cudaErrorInvalidValue);
-  EXPECT_EQ(kernels::launch_gemm2_stream(g2, 2, nullptr), cudaErrorInvalidValue);  // split_k 2, no workspace
+  EXPECT_EQ(kernels::launch_gemm2_stream(g2, 16, 0, nullptr), cudaErrorInvalidValue);  // split_k < 1
+  EXPECT_EQ(kernels::launch_gemm2_stream(g2, 16, kernels::kMaxStreamSplitK + 1, nullptr), cudaErrorInvalidValue);
+  EXPECT_EQ(kernels::launch_gemm2_stream(g2, 16, 2, nullptr), cudaErrorInvalidValue);  // split_k 2, no workspace
   kernels::Gemm2Args bad = g2;
   bad.split_workspace = reinterpret_cast<char*>(s.f.get()) + 4;  // misaligned workspace
-  EXPECT_EQ(kernels::launch_gemm2_stream(bad, 2, nullptr), cudaErrorInvalidValue);
-  const kernels::Gemm1Args g1 = s.gemm1({GemmKernel::Sm90Stream, 16, 3});
+  EXPECT_EQ(kernels::launch_gemm2_stream(bad, 16, 2, nullptr), cudaErrorInvalidValue);
+  const kernels::Gemm1Args g1 = s.gemm1({GemmKernel::Sm90Stream, 32, 3});
   EXPECT_EQ(kernels::launch_gemm1_act(g1, nullptr), cudaErrorInvalidValue);  // split_k 3, no workspace
-  EXPECT_EQ(kernels::gemm_stream_tile_rows(), 16);
-  EXPECT_EQ(kernels::gemm_stream_workspace_bytes(4, 256, 1), 0u);
-  EXPECT_GE(kernels::gemm_stream_workspace_bytes(4, 256, 3), size_t{4 * 2 * 3 * 256 * 8 * 4});
+  EXPECT_EQ(kernels::launch_gemm2_stream(g2, 24, 1, nullptr), cudaErrorInvalidValue);  // no 24-row tiles
+  EXPECT_EQ(kernels::launch_gemm2_stream(g2, 64, 1, nullptr), cudaErrorInvalidValue);
+  EXPECT_TRUE(kernels::gemm_stream_tile_supported(16) && kernels::gemm_stream_tile_supported(32));
+  EXPECT_EQ(kernels::gemm_stream_workspace_bytes(4, 256, 16, 1), 0u);
+  EXPECT_GE(kernels::gemm_stream_workspace_bytes(4, 256, 16, 3), size_t{4 * 2 * 3 * 256 * 8 * 4});
+  EXPECT_GE(kernels::gemm_stream_workspace_bytes(4, 256, 32, 3), size_t{4 * 2 * 3 * 256 * 16 * 4});
   EXPECT_EQ(cudaGetLastError(), cudaSuccess);
 }
 

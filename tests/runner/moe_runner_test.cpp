@@ -240,7 +240,9 @@ TEST_P(LayerTactic, MatchesReference) {
 std::vector<TacticCase> tactic_cases() {
   std::vector<TacticCase> v;
   for (int tile : {128, 256}) v.push_back({{GemmKernel::Sm90Wgmma, tile, 1}, "wgmma_t" + std::to_string(tile)});
-  for (int split : {1, 2, 4}) v.push_back({{GemmKernel::Sm90Stream, 16, split}, "stream_t16_s" + std::to_string(split)});
+  for (int tile : {16, 32})
+    for (int split : {1, 2, 4})
+      v.push_back({{GemmKernel::Sm90Stream, tile, split}, "stream_t" + std::to_string(tile) + "_s" + std::to_string(split)});
   return v;
 }
 

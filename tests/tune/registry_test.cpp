@@ -26,6 +26,9 @@ const MoeTactic kWgmma256{GemmKernel::Sm90Wgmma, 256, 1};
 const MoeTactic kStream1{GemmKernel::Sm90Stream, 16, 1};
 const MoeTactic kStream2{GemmKernel::Sm90Stream, 16, 2};
 const MoeTactic kStream4{GemmKernel::Sm90Stream, 16, 4};
+const MoeTactic kStream32x1{GemmKernel::Sm90Stream, 32, 1};
+const MoeTactic kStream32x2{GemmKernel::Sm90Stream, 32, 2};
+const MoeTactic kStream32x4{GemmKernel::Sm90Stream, 32, 4};
 
 TEST(TacticJson, RoundTripsEveryCandidate) {
   EXPECT_EQ(tactic_to_json(kWgmma128), R"({"kernel":"sm90_wgmma","tile_tokens":128,"split_k":1})");
@@ -59,12 +62,14 @@ TEST(TacticJson, ParseErrorsNameTheField) {
 TEST(Registry, CandidatesFollowTheFamilyRules) {
   // Large K: every split allowed (H=7168: 56 chunks, I=2048: 16 chunks).
   EXPECT_EQ(candidate_tactics(problem(256, 7168, 2048, 8)),
-            (std::vector<MoeTactic>{kWgmma128, kWgmma256, kStream1, kStream2, kStream4}));
+            (std::vector<MoeTactic>{kWgmma128, kWgmma256, kStream1, kStream2, kStream4, kStream32x1, kStream32x2,
+                                    kStream32x4}));
   // I = 384: 3 chunks -> split 2 needs 4: only split 1.
-  EXPECT_EQ(candidate_tactics(problem(16, 1024, 384, 2)), (std::vector<MoeTactic>{kWgmma128, kWgmma256, kStream1}));
+  EXPECT_EQ(candidate_tactics(problem(16, 1024, 384, 2)),
+            (std::vector<MoeTactic>{kWgmma128, kWgmma256, kStream1, kStream32x1}));
   // I = 512: 4 chunks -> split 2 yes, split 4 (needs 8) no.
   EXPECT_EQ(candidate_tactics(problem(16, 1024, 512, 2)),
-            (std::vector<MoeTactic>{kWgmma128, kWgmma256, kStream1, kStream2}));
+            (std::vector<MoeTactic>{kWgmma128, kWgmma256, kStream1, kStream2, kStream32x1, kStream32x2}));
   // Ceil of chunks: H = 1040 is 9 chunks, I = 1040 too: split 4 needs 8.
   EXPECT_TRUE(tactic_valid(problem(16, 1040, 1040, 2), kStream4));
   EXPECT_FALSE(tactic_valid(problem(16, 1040, 896, 2), kStream4));  // I: 7 chunks
@@ -77,6 +82,7 @@ TEST(Registry, WhyInvalidNamesTheRule) {
             "sm90_wgmma: tile_tokens must be in {128, 256}, got 64");
   EXPECT_EQ(why_invalid(p, MoeTactic{GemmKernel::Sm90Wgmma, 128, 2}), "sm90_wgmma: split_k must be in {1}, got 2");
   EXPECT_EQ(why_invalid(p, MoeTactic{GemmKernel::Sm90Stream, 16, 3}), "sm90_stream: split_k must be in {1, 2, 4}, got 3");
+  EXPECT_EQ(why_invalid(p, MoeTactic{GemmKernel::Sm90Stream, 64, 1}), "sm90_stream: tile_tokens must be in {16, 32}, got 64");
   EXPECT_EQ(why_invalid(p, kStream2),
             "sm90_stream: split_k 2 needs >= 4 chunks of 128 along K in both GEMMs, got 8 (GEMM1, K=H=1024) and 3 "
             "(GEMM2, K=I=384)");
