@@ -22,7 +22,9 @@ Runs on a machine with an sm_90 GPU, torch (CUDA build) and a built `fp4moe` CLI
      The routing is INSIDE the timed region with the whole eager layer: the timed call takes (hidden
      states, logits) -- the expert weights are bound -- and returns the output (softmax, top-k, sort,
      offsets, gather, [fp8 row quantization,] GEMM1, silu*mul, GEMM2, weighted index_add). Events,
-     median of --reps after warm-up, only at the (model, T) of the anchors file (all T without one),
+     each timed call starting on an idle GPU (a synchronize before it: host launch time counts, as in
+     an eager serving step; the table's columns in 3 let the host run ahead), median of --reps after
+     warm-up, only at the (model, T) of the anchors file (all T without one),
      with the model's weights already allocated for 3. These timings (torch_*_refproto_us) are what
      the anchors section compares with the reference numbers.
   4. with --refcheck (default), before timing a shape, checks the torch bf16 baseline (tolerance
@@ -187,9 +189,11 @@ def scaled_grouped_mm_fn(fast_accum):
     raise RuntimeError("this torch has neither torch._scaled_grouped_mm nor torch.nn.functional.scaled_grouped_mm")
 
 
-def time_cuda(fn, reps, warmup_max=3, warmup_s=0.05):
+def time_cuda(fn, reps, warmup_max=3, warmup_s=0.05, sync_each=False):
     """CUDA events around each call; warm-up until warmup_max calls or warmup_s seconds (>= 1 call).
-    Returns (median_us, min_us, all_us)."""
+    sync_each: the GPU is idle when each timed call starts (synchronize before its start event), so
+    host launch time the GPU waits for counts, as in a serving step; otherwise the host runs ahead and
+    the calls queue back to back (GPU time only). Returns (median_us, min_us, all_us)."""
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for i in range(warmup_max):
@@ -200,6 +204,8 @@ def time_cuda(fn, reps, warmup_max=3, warmup_s=0.05):
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     for i in range(reps):
+        if sync_each:
+            torch.cuda.synchronize()
         starts[i].record()
         fn()
         ends[i].record()
@@ -568,7 +574,7 @@ def git_commit():
         return None
 
 
-def measure(args, r, key, tol, fwd, get_ref, check_tok, what, failures):
+def measure(args, r, key, tol, fwd, get_ref, check_tok, what, failures, sync_each=False):
     """Optionally refchecks fwd() on the rows check_tok against get_ref() (fp32 [len(check_tok), H]), then
     times it; fills r[key + '_us' | '_min_us' | '_refcheck' | '_error']. Errors are recorded, never raised."""
     try:
@@ -584,7 +590,7 @@ def measure(args, r, key, tol, fwd, get_ref, check_tok, what, failures):
                 failures.append(f"{what}: refcheck rel_err {rel:.3g} >= {tol}")
                 log(f"torch {what}: REFCHECK FAILED, rel_err {rel:.3g}")
         # With --refcheck the checked call above was the first warm-up: one more, then the timed calls.
-        med, mn, _ = time_cuda(fwd, args.reps, warmup_max=1 if args.refcheck else 3)
+        med, mn, _ = time_cuda(fwd, args.reps, warmup_max=1 if args.refcheck else 3, sync_each=sync_each)
         r[f"{key}_us"] = med
         r[f"{key}_min_us"] = mn
         log(f"torch {what}: {med:.1f} us (min {mn:.1f})"
@@ -723,7 +729,7 @@ def bench_torch_model(args, model, rows_out, failures, refproto_tokens=()):
                 log(f"torch {model} T={T} {key}: ERROR {e}")
                 continue
             measure(args, r, key, REFCHECK_TOL[peer], lambda: layer(x, logits), get_ref, check_tok,
-                    f"{model} T={T} {key}", failures)
+                    f"{model} T={T} {key}", failures, sync_each=True)
         layer = cache = x = logits = ids = w = None  # noqa: F841
     del W
     log(f"torch {model}: done in {time.time() - t0:.1f} s")
