@@ -37,6 +37,7 @@ cudaError_t configure_expert_gemm() {
                                            static_cast<int>(sm90gemm::TileConfig<256>::kSmemBytes));
       e != cudaSuccess)
     return e;
+  if (cudaError_t e = configure_expert_gemm_stream(); e != cudaSuccess) return e;
   configured.fetch_or(bit);
   return cudaSuccess;
 }

@@ -14,6 +14,7 @@
 
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <climits>
 #include <cstdint>
 
@@ -57,12 +58,35 @@ cudaError_t launch(ss::StreamParams sp, int tile_rows, cudaStream_t stream) {
   const int64_t ctas = static_cast<int64_t>(sp.base.max_tiles) * sp.split_k * n_ctas;
   if (ctas > INT_MAX) return cudaErrorInvalidConfiguration;
   sp.base.n_ctas = static_cast<int>(n_ctas);
+  if (cudaError_t e = configure_expert_gemm_stream(); e != cudaSuccess) return e;
   const dim3 grid(static_cast<unsigned>(ctas)), block(ss::kThreads);
-  if (tile_rows == 32) return launch_dependent(ss::expert_gemm_stream_kernel<kGemm2, 32>, grid, block, 0, stream, sp);
-  return launch_dependent(ss::expert_gemm_stream_kernel<kGemm2, 16>, grid, block, 0, stream, sp);
+  if (tile_rows == 32)
+    return launch_dependent(ss::expert_gemm_stream_kernel<kGemm2, 32>, grid, block, ss::StreamTile<32>::kSmemBytes,
+                            stream, sp);
+  return launch_dependent(ss::expert_gemm_stream_kernel<kGemm2, 16>, grid, block, ss::StreamTile<16>::kSmemBytes,
+                          stream, sp);
 }
 
 }  // namespace
+
+cudaError_t configure_expert_gemm_stream() {
+  // The shared-memory opt-in (> 48 KiB of dynamic shared memory) is set once per device.
+  static std::atomic<uint64_t> configured{0};
+  int device = 0;
+  if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
+  const uint64_t bit = device < 64 ? (uint64_t{1} << device) : 0;
+  if (bit != 0 && (configured.load() & bit)) return cudaSuccess;
+  const auto opt_in = [](auto kernel, int bytes) {
+    return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  };
+  for (cudaError_t e : {opt_in(ss::expert_gemm_stream_kernel<false, 16>, ss::StreamTile<16>::kSmemBytes),
+                        opt_in(ss::expert_gemm_stream_kernel<true, 16>, ss::StreamTile<16>::kSmemBytes),
+                        opt_in(ss::expert_gemm_stream_kernel<false, 32>, ss::StreamTile<32>::kSmemBytes),
+                        opt_in(ss::expert_gemm_stream_kernel<true, 32>, ss::StreamTile<32>::kSmemBytes)})
+    if (e != cudaSuccess) return e;
+  configured.fetch_or(bit);
+  return cudaSuccess;
+}
 
 bool gemm_stream_tile_supported(int tile_rows) { return tile_rows == 16 || tile_rows == 32; }
 

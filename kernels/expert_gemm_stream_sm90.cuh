@@ -1,31 +1,34 @@
 // kernels/expert_gemm_stream_sm90.cuh — the streaming ("decode") NVFP4 expert GEMM for sm_90a, for few
-// token rows per expert (1..16 per tile). At decode the layer is bound by reading the FP4 weights from
-// HBM, so this kernel puts many warps on every SM, each streaming its own weight rows straight from
-// global memory into registers with several K chunks in flight, decoding them with the register
-// decoder of expert_gemm_layout.cuh and feeding mma.sync m16n8k16 (no warpgroup-wide syncs); the
-// tokens are the MMA N dimension (swap AB), 8 per mma.
+// token rows per expert (1..32 per tile). At decode the layer is bound by reading the FP4 weights from
+// HBM, so this kernel keeps many chunks of weights in flight on every SM: each lane copies its own
+// weight words (cp.async) into its slots of a per-warp shared-memory ring several K chunks ahead,
+// decodes them with the register decoder of expert_gemm_layout.cuh and feeds mma.sync m16n8k16; the
+// tokens are the MMA N dimension (swap AB), 8 per mma. Warps meet only through the activation ring's
+// mbarriers, never at a CTA barrier in the main loop.
 //
-// CTA = 256 threads (8 warps), 2 CTAs per SM (__launch_bounds__(256, 2): <= 128 registers), over
-//   one tile (expert e, <= 16 token rows) x 128 weight rows x the K chunks of its split:
+// CTA = 256 threads (8 warps), 2 CTAs per SM (shared memory: ~104 / 108 KiB each), over
+//   one tile (expert e, <= 16 or 32 token rows) x 128 weight rows x the K chunks of its split:
 //     plain / GEMM2: warp w owns the m16 tile of row groups 16*ntile + 2w (rows g) and 2w+1 (rows g+8);
 //     gated GEMM1:   warp w owns gate row group ig = 8*ntile + w (rows g) and up row group I/8 + ig
 //                    (rows g+8), so the CTA covers the 64 intermediate columns [64*ntile, +64).
 //   Grid (1-D): blockIdx.x = (tile * split_k + split) * n_ctas + ntile; CTAs past *num_tiles leave.
 //   Split s covers K chunks [s*cps, min(chunks, (s+1)*cps)), cps = ceil(chunks / split_k) (may be empty).
 //
+// Shared memory (dynamic, StreamTile<>):
+//   weight ring  [8 warps][kWeightStages][1536 B]: per lane 16 B of each row group (prepacked layout:
+//                512 B per (row group, chunk), lane*16) and the 8 scale bytes of its row (g*8 of 64);
+//   activation ring [kActStages][tile rows][128 bf16], rows 256 B apart, 16-byte segment c of row r
+//                at c ^ (r & 7); full[kActStages] (256 arrivals: every thread's copies landed) and
+//                empty[kActStages] (8 arrivals: every warp is done with the stage) mbarriers.
+//
 // Steps, per CTA:
-//   1. Prologue: every lane loads its 16-byte weight word of both row groups (prepacked layout: 512 B
-//      per (row group, chunk), lane*16) and its 8 scale bytes (g*8 in the chunk's 64) for the first
-//      kDepth chunks into a register ring (ld.global.nc.L1::no_allocate, 2 x 16 B + 2 x 8 B per chunk);
-//      all 256 threads cp.async the tile's activations of the first kDepth-1 chunks into a
-//      shared-memory ring [kDepth][16 rows][128 cols] bf16 (one 16-byte copy per thread per chunk;
-//      rows past the tile and columns past K are zero-filled, nothing past a row is read).
-//   2. Per chunk kc (ring slot d = (kc - c0) % kDepth, compile-time: the loop is unrolled by kDepth):
-//        wait for chunk kc's activation group, __syncthreads (chunk kc visible to all, chunk kc-1's
-//        stage free), cp.async chunk kc+kDepth-1 into that stage; then per word q (k16 steps 2q,
-//        2q+1) of the ring slot: decode_word + decode_scale_pair + bf16x2 multiplies -> A fragments
-//        (rows g / g+8), ldmatrix (x4: both n8 halves; x2 when NT = 8) -> B fragments, mma.sync per
-//        n8 half; then the slot is refilled with chunk kc+kDepth.
+//   1. Initialise the mbarriers; issue the copies of the first kPrefetch chunks (weights: 2 x 16 B +
+//      2 x 8 B per lane; activations: one or two 16-byte cp.async per thread, zero-filled past the
+//      tile's rows and past K, nothing past a row is read).
+//   2. Per chunk kc (see mainloop): refill chunk kc + kPrefetch, wait for chunk kc's weights (own
+//      copies) and activations (full[]), then per word q (k16 steps 2q, 2q+1): decode_word +
+//      decode_scale_pair + bf16x2 multiplies -> A fragments (rows g / g+8), ldmatrix (x4: both n8
+//      halves; x2 when NT = 8) -> B fragments, mma.sync per n8 half; the warp then arrives on empty[].
 //   3. split_k > 1: every CTA stores its accumulators (fragment order, 8 floats per thread) as the
 //      split's partial; the last CTA to arrive on the output tile's counter (atomicAdd) resets the
 //      counter to 0 and sums the partials in split order 0..split_k-1 (deterministic), then runs 4.
@@ -43,18 +46,19 @@
 //   D 16x8: c0, c1 = row g, tokens 2t, 2t+1; c2, c3 = row g+8, same tokens.
 //   acc[h][4]: n8 tile h (tokens 8h..8h+7); NT (8, 16 or 32 <= tile rows) covers the valid rows.
 //
-// NOTE (why registers, not shared memory, for the weights): every weight byte is used by exactly one
-// warp, so staging it in shared memory costs an extra write + read per byte and a barrier; straight
-// 16-byte loads per lane are coalesced (a warp reads the row group's 512 contiguous bytes) and
-// consecutive chunks of a row group are adjacent in the prepacked layout (L2::256B prefetch hint).
-// In flight per SM: 16 warps x (kDepth - 1..kDepth) chunks x 1152 B ~ 55-74 KB, above the ~30 KB
-// that the bandwidth-latency product of one SM's share of HBM needs (32 GB/s x ~1 us).
+// NOTE (why shared memory for the weights, although every weight byte is used by one lane only): a
+// register ring of 4 chunks took all 128 registers of 16 warps/SM, and a CTA barrier per chunk made
+// every warp wait for the slowest one's loads: ncu on the H200 (deepseek-r1 GEMM1, T=64) showed 3.8
+// warps per scheduler with 0.95 eligible, 54% issue and 60% of DRAM bandwidth. The cp.async ring
+// costs no registers and an LDS per 16 bytes; in flight per SM: 16 warps x kPrefetch (5 / 4) chunks
+// x 1152 B ~ 74-92 KB. Consecutive chunks of a row group are adjacent in the prepacked layout
+// (L2::256B prefetch hint).
 // NOTE (activations in shared memory): the <= 16 token rows are shared by the 8 warps; fragments
 // loaded from global by every warp would cost 16 x 4-byte loads per lane per chunk and n8 half.
 // The stage rows are 256 B apart, so the 16-byte segment c of row r is stored at c ^ (r & 7): the 8
 // row addresses of one ldmatrix matrix then fall into 8 different 16-byte bank groups.
 // NOTE (cost): per chunk a lane decodes 64 weights with ~8 x 9 LOP/SHF + 8 scale + 16 HMUL2 ~ 1.9
-// instructions per weight, 8 ldmatrix and 8 or 16 mma.sync.
+// instructions per weight, 4 LDS, 8 ldmatrix and 8 or 16 mma.sync.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -75,29 +79,44 @@ inline constexpr int kThreads = 256;                      // 8 warps
 inline constexpr int kWarps = kThreads / 32;
 inline constexpr int kRowsPerCta = 16 * kWarps;           // 128 weight rows (gated: 64 gate + 64 up)
 inline constexpr int kGroupsPerCta = kRowsPerCta / 8;     // 16 row groups
-// Chunks in flight: weight register ring slots = activation stages. A slot is refilled right after it
-// is decoded, so chunks kc+1..kc+kDepth-1 are in flight while chunk kc is decoded, kc+kDepth after.
-// NOTE: copying a slot out before refilling it (one more chunk in flight) cost > 128 registers at
-// kDepth 4 (spills) and ~40 register moves per chunk at kDepth 3.
-inline constexpr int kDepth = 4;
 inline constexpr int kActRowBytes = fp4layout::kChunkK * 2;          // 256: 128 bf16
+// Per warp and chunk, the weight ring holds each lane's own data: 16 B of row group a, 16 B of row
+// group b, 8 scale bytes of each ([wa: 32 x 16 B][wb: 32 x 16 B][sa: 32 x 8 B][sb: 32 x 8 B]).
+inline constexpr int kWarpStageBytes = 32 * (16 + 16 + 8 + 8);      // 1536
+inline constexpr int kStageOffsetB = 32 * 16, kStageOffsetSa = 2 * 32 * 16, kStageOffsetSb = 2 * 32 * 16 + 32 * 8;
 
 // The two tile sizes (MoeTactic::tile_tokens): 16 token rows (two n8 halves), or 32 (four): an expert
 // with 17..32 rows then streams its weights once instead of twice, for 8 more accumulators and one
 // more activation copy per thread.
+//   kWeightStages: per-warp weight ring depth; chunks kc+1 .. kc+kPrefetch are in flight while chunk
+//                  kc is decoded (kPrefetch = kWeightStages - 1: the stage refilled at the top of an
+//                  iteration is the one the warp decoded in the previous iteration).
+//   kActStages:    activation ring depth (shared by the 8 warps); > kPrefetch, so a refill waits only
+//                  for every warp to be done with chunk kc + kPrefetch - kActStages: warps may drift
+//                  kActStages - kPrefetch chunks apart instead of meeting at a barrier every chunk.
 template <int TileRows>
 struct StreamTile {
   static_assert(TileRows == 16 || TileRows == 32, "tile_tokens is 16 or 32");
   static constexpr int kTileRows = TileRows;
   static constexpr int kHalves = TileRows / 8;                        // n8 accumulator tiles
+  static constexpr int kWeightStages = TileRows == 16 ? 6 : 5;
+  static constexpr int kPrefetch = kWeightStages - 1;
+  static constexpr int kActStages = TileRows == 16 ? 8 : 6;
   static constexpr int kActStageBytes = TileRows * kActRowBytes;     // 4 / 8 KiB
-  static constexpr int kSmemBytes = kDepth * kActStageBytes;         // 16 / 32 KiB (static)
+  static constexpr int kWeightRingBytes = kWarps * kWeightStages * kWarpStageBytes;  // 72 / 60 KiB
+  static constexpr int kActRingOffset = kWeightRingBytes;
+  static constexpr int kBarrierOffset = kActRingOffset + kActStages * kActStageBytes;
+  static constexpr int kSmemBytes = kBarrierOffset + 2 * kActStages * 8;  // + full[], empty[] mbarriers
   static constexpr int kCopies = TileRows * (kActRowBytes / 16) / kThreads;  // 16-byte copies per thread per chunk
   static constexpr int kStgStride = TileRows + 8;  // floats per staging row: float2 writes conflict-free
   static constexpr int kPartialFloats = kThreads * 4 * kHalves;      // one split's partial of an output tile
-  static_assert(kRowsPerCta * kStgStride * 4 <= kSmemBytes, "GEMM1 staging must fit the activation ring");
+  static_assert(kActStages > kPrefetch && kPrefetch >= 1, "the activation ring must be deeper than the prefetch");
+  // NOTE: two CTAs per SM (16 warps): 2 x (dynamic + 1 KiB reserved per block) within 227 KiB.
+  static_assert(2 * (kSmemBytes + 1024 + 16) <= 227 * 1024, "two CTAs per SM must fit in shared memory");
+  static_assert(kRowsPerCta * kStgStride * 4 <= kWeightRingBytes, "GEMM1 staging overlays the weight ring");
   static_assert(kStgStride % 32 == 8 || kStgStride % 32 == 24, "8 rows x 4 lanes of float2 on distinct banks");
   static_assert(kCopies * kThreads == TileRows * (kActRowBytes / 16), "activation copies split evenly");
+  static_assert(kActRingOffset % 128 == 0 && kBarrierOffset % 8 == 0, "ring alignment");
 };
 static_assert(kThreads == sm90gemm::kConsumerThreads, "gemm1_epilogue's items are strided by 256 threads");
 
@@ -110,19 +129,19 @@ struct StreamParams {
 };
 
 // ---- PTX wrappers -----------------------------------------------------------------------------------
-// Streaming weight loads: read once, never reused by this SM (no L1 allocation); 256-byte L2 prefetch
-// (the next chunk of a row group follows its current one).
-__device__ __forceinline__ uint4 ldg_stream128(const uint8_t* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
+// Weight copies into this lane's slots of the warp's ring: read once, never reused by this SM (.cg: no
+// L1 allocation); 256-byte L2 prefetch (the next chunk of a row group follows its current one). The
+// 8-byte scale copies go through L1 (.ca; .cg takes 16 bytes only): the 4 lanes of a row share them.
+__device__ __forceinline__ void cp_async_weights16(uint32_t dst, const uint8_t* src) {
+  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
 }
-__device__ __forceinline__ uint2 ldg_stream64(const uint8_t* p) {
-  uint2 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
-  return v;
+__device__ __forceinline__ void cp_async_scales8(uint32_t dst, const uint8_t* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(dst), "l"(src) : "memory");
+}
+// The mbarrier counts one arrival of this thread once all of its earlier cp.async copies have landed
+// (init count: one arrival per thread and phase).
+__device__ __forceinline__ void cp_async_arrive_noinc(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
 }
 // "memory": the shared-memory reads stay after the __syncthreads that publishes the stage.
 __device__ __forceinline__ void ldsm_x4(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
@@ -146,82 +165,97 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4],
 // ---- main loop ----------------------------------------------------------------------------------------
 // Chunks [c0, c1) of this CTA's split. w_a / w_b / s_a / s_b: this lane's weight word / scale bytes of
 // chunk c0 of the warp's two row groups (rows g, rows g+8); wvalid: the warp's rows lie inside N
-// (warp-uniform; otherwise it loads and computes nothing but still takes part in the barriers).
-// a_src[i]: this thread's activation row i (token row tid/16 + 16i of the tile) or nullptr past the
-// tile's rows.
+// (warp-uniform; otherwise it copies and computes no weights but still copies activations and takes
+// part in the barriers). a_src[i]: this thread's activation row i (token row tid/16 + 16i of the tile)
+// or nullptr past the tile's rows.
+//
+// Per chunk kc (iteration order; all threads):
+//   a. refill: chunk kn = kc + kPrefetch (if < c1): wait until every warp is done with the activation
+//      stage's previous chunk kn - kActStages (empty[], skipped for the first kActStages chunks), copy
+//      this thread's activation segments (zero-filled past the tile's rows and past K), arrive on
+//      full[] once they have landed (cp.async.mbarrier.arrive.noinc), then copy this lane's weights
+//      and scales into the warp's weight stage of chunk kn (the stage decoded in the previous
+//      iteration); one commit group per iteration, possibly empty.
+//   b. wait: this thread's own weight copies of chunk kc (cp.async.wait_group kPrefetch), then the
+//      whole activation stage of chunk kc (full[], all 256 threads' copies).
+//   c. decode + MMA as described in the file header; then the warp arrives on empty[] of the stage.
 template <class C, int NT>
 __device__ __forceinline__ void mainloop(const Params& p, uint32_t smem_base, const uint8_t* w_a, const uint8_t* w_b,
                                          const uint8_t* s_a, const uint8_t* s_b, const bool wvalid,
                                          const __nv_bfloat16* const (&a_src)[C::kCopies], int c0, int c1,
                                          float (&acc)[C::kHalves][4]) {
-  static_assert(NT <= C::kTileRows, "wgmma width past the tile");
-  constexpr int kActStageBytes = C::kActStageBytes;
-  const int tid = threadIdx.x, lane = tid % 32;
+  static_assert(NT <= C::kTileRows, "mma width past the tile");
+  constexpr int kActStageBytes = C::kActStageBytes, kActStages = C::kActStages;
+  constexpr int kWeightStages = C::kWeightStages, kPrefetch = C::kPrefetch;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const uint32_t act_ring = smem_base + C::kActRingOffset;
+  const uint32_t full_bar = smem_base + C::kBarrierOffset;         // [kActStages] mbarriers, 8 B each
+  const uint32_t empty_bar = full_bar + kActStages * 8;            // [kActStages]
+  // This lane's slots in stage 0 of the warp's weight ring (stage s: + s * kWarpStageBytes).
+  const uint32_t wring = smem_base + warp * kWeightStages * kWarpStageBytes;
+  const uint32_t slot_wa = wring + lane * 16, slot_wb = wring + kStageOffsetB + lane * 16;
+  const uint32_t slot_sa = wring + kStageOffsetSa + lane * 8, slot_sb = wring + kStageOffsetSb + lane * 8;
   // Activation copy i of this thread: row r = tid/16 + 16i, 16-byte segment c, stored at c ^ (r & 7)
   // (r + 16 has the same r & 7).
   const int cr = tid / 16, cc = tid % 16;
-  const uint32_t copy_dst = smem_base + cr * kActRowBytes + ((cc ^ (cr & 7)) << 4);
-  auto issue_act = [&](int kc, int stage) {
-    if (kc < c1) {
-      const int col = kc * fp4layout::kChunkK + cc * 8;
+  const uint32_t copy_dst = act_ring + cr * kActRowBytes + ((cc ^ (cr & 7)) << 4);
+
+  // Producer state: chunk kn goes to weight stage pw and activation stage pa; pe = parity of the
+  // empty[pa] phase of its previous chunk kn - kActStages.
+  int pw = 0, pa = 0, pe = 1;  // pe flips to 0 when pa first wraps: chunk c0 used phase 0
+  auto refill = [&](int kn) {
+    if (kn < c1) {
+      if (kn - kActStages >= c0) sm90gemm::mbar_wait(empty_bar + pa * 8, pe);
+      const int col = kn * fp4layout::kChunkK + cc * 8;
 #pragma unroll
       for (int i = 0; i < C::kCopies; ++i) {
         const bool ok = a_src[i] != nullptr && col < p.K;  // K % 16 == 0: a segment is wholly in or out
-        sm90gemm::cp_async16(copy_dst + stage * kActStageBytes + i * 16 * kActRowBytes, ok ? a_src[i] + col : p.a,
+        sm90gemm::cp_async16(copy_dst + pa * kActStageBytes + i * 16 * kActRowBytes, ok ? a_src[i] + col : p.a,
                              ok ? 16u : 0u);
       }
+      cp_async_arrive_noinc(full_bar + pa * 8);
+      if (wvalid) {
+        const uint32_t off = pw * kWarpStageBytes;
+        cp_async_weights16(slot_wa + off, w_a);
+        cp_async_weights16(slot_wb + off, w_b);
+        cp_async_scales8(slot_sa + off, s_a);
+        cp_async_scales8(slot_sb + off, s_b);
+        w_a += fp4layout::kChunkBytes;
+        w_b += fp4layout::kChunkBytes;
+        s_a += fp4layout::kChunkScaleBytes;
+        s_b += fp4layout::kChunkScaleBytes;
+      }
     }
-    sm90gemm::cp_async_commit();  // always (possibly empty): one group per chunk slot keeps the count
+    sm90gemm::cp_async_commit();  // always (possibly empty): one group per chunk keeps the count
+    if (++pw == kWeightStages) pw = 0;
+    if (++pa == kActStages) pa = 0, pe ^= 1;
   };
   // ldmatrix row address of this lane: matrices (tokens 0-7, seg 2s), (0-7, 2s+1), (8-15, 2s), (8-15, 2s+1)
   // for lanes 0-7, 8-15, 16-23, 24-31 (x2 uses the first two). Segment (2s + hi) ^ (r & 7) = 2s ^ lx.
   const int lr = (lane & 7) + ((lane >> 4) << 3), lx = ((lane >> 3) & 1) ^ (lane & 7);
-  const uint32_t ldsm_base = smem_base + lr * kActRowBytes;
+  const uint32_t ldsm_base = act_ring + lr * kActRowBytes;
 
-  // Weight ring: slot d holds chunk c0 + d + kDepth * i. The pointers advance with the loads.
-  uint4 ring_wa[kDepth], ring_wb[kDepth];
-  uint2 ring_sa[kDepth], ring_sb[kDepth];
-  auto load_weights = [&](int d) {
-    ring_wa[d] = ldg_stream128(w_a);
-    ring_wb[d] = ldg_stream128(w_b);
-    ring_sa[d] = ldg_stream64(s_a);
-    ring_sb[d] = ldg_stream64(s_b);
-    w_a += fp4layout::kChunkBytes;
-    w_b += fp4layout::kChunkBytes;
-    s_a += fp4layout::kChunkScaleBytes;
-    s_b += fp4layout::kChunkScaleBytes;
-  };
-#pragma unroll
-  for (int d = 0; d < kDepth; ++d) {
-    if (wvalid && c0 + d < c1) {
-      load_weights(d);
-    } else {
-      ring_wa[d] = ring_wb[d] = make_uint4(0, 0, 0, 0);
-      ring_sa[d] = ring_sb[d] = make_uint2(0, 0);
-    }
-  }
-#pragma unroll
-  for (int d = 0; d < kDepth - 1; ++d) issue_act(c0 + d, d);
-
-  for (int base = c0; base < c1; base += kDepth) {
-#pragma unroll
-    for (int d = 0; d < kDepth; ++d) {
-      const int kc = base + d;
-      if (kc >= c1) break;  // CTA-uniform
-      // Groups committed so far: kDepth-1 + (kc-c0); chunk kc's is the (kc-c0+1)-th.
-      sm90gemm::cp_async_wait<kDepth - 2>();
-      __syncthreads();  // chunk kc visible to every warp; every warp is done with chunk kc-1's stage
-      issue_act(kc + kDepth - 1, (d + kDepth - 1) % kDepth);
-      if (!wvalid) continue;  // warp-uniform: rows past N
-      const uint32_t stage = ldsm_base + d * kActStageBytes;
+#pragma unroll 1
+  for (int i = 0; i < kPrefetch; ++i) refill(c0 + i);
+  // Consumer state: chunk kc is in weight stage cw and activation stage ca; cf = parity of its full[ca] phase.
+  int cw = 0, ca = 0, cf = 0;
+#pragma unroll 1
+  for (int kc = c0; kc < c1; ++kc) {
+    refill(kc + kPrefetch);
+    // Groups committed: kPrefetch + (kc - c0 + 1); chunk kc's is the (kc - c0 + 1)-th.
+    sm90gemm::cp_async_wait<kPrefetch>();
+    sm90gemm::mbar_wait(full_bar + ca * 8, cf);
+    if (wvalid) {  // warp-uniform: rows past N
+      const uint32_t off = cw * kWarpStageBytes;
+      const uint4 wa = sm90gemm::lds128(slot_wa + off);
+      const uint4 wb = sm90gemm::lds128(slot_wb + off);
+      const uint2 sa = sm90gemm::lds64(slot_sa + off);
+      const uint2 sb = sm90gemm::lds64(slot_sb + off);
+      const uint32_t stage = ldsm_base + ca * kActStageBytes;
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
-        const uint4& wa = ring_wa[d];
-        const uint4& wb = ring_wb[d];
-        const uint2& sa = ring_sa[d];
-        const uint2& sb = ring_sb[d];
-        const uint32_t wq_a = q == 0 ? wa.x : q == 1 ? wa.y : q == 2 ? wa.z : wa.w;
-        const uint32_t wq_b = q == 0 ? wb.x : q == 1 ? wb.y : q == 2 ? wb.z : wb.w;
+        const uint32_t wq_a = sm90gemm::word_of(wa, q);
+        const uint32_t wq_b = sm90gemm::word_of(wb, q);
         const uint32_t sca = fp4layout::decode_scale_pair(q < 2 ? sa.x : sa.y, q & 1);
         const uint32_t scb = fp4layout::decode_scale_pair(q < 2 ? sb.x : sb.y, q & 1);
         uint32_t da[4], db[4];
@@ -257,11 +291,15 @@ __device__ __forceinline__ void mainloop(const Params& p, uint32_t smem_base, co
           }
         }
       }
-      // Slot d is decoded: refill it with chunk kc + kDepth (chunks kc+1 .. kc+kDepth are then in flight).
-      if (kc + kDepth < c1) load_weights(d);
     }
+    // NOTE: every lane's ldmatrix results are consumed above; the warp's arrival (release) after
+    // __syncwarp orders all of its reads of the stage before any refill that waits on it.
+    __syncwarp();
+    if (lane == 0) sm90gemm::mbar_arrive(empty_bar + ca * 8);
+    if (++cw == kWeightStages) cw = 0;
+    if (++ca == kActStages) ca = 0, cf ^= 1;
   }
-  sm90gemm::cp_async_wait<0>();  // only empty groups can be pending; the ring may be reused after this
+  sm90gemm::cp_async_wait<0>();  // only empty groups can be pending; the rings may be reused after this
 }
 
 // ---- kernel -------------------------------------------------------------------------------------------
@@ -271,7 +309,7 @@ __global__ void __launch_bounds__(kThreads, 2) expert_gemm_stream_kernel(const S
   using C = StreamTile<TileRows>;
   constexpr int kTileRows = C::kTileRows, kHalves = C::kHalves, kStgStride = C::kStgStride;
   constexpr int kPartialFloats = C::kPartialFloats;
-  __shared__ __align__(128) uint8_t smem[C::kSmemBytes];
+  extern __shared__ __align__(128) uint8_t smem[];  // C::kSmemBytes: weight ring, activation ring, mbarriers
   __shared__ int s_last;
   dependent_launch_prologue();
   const Params& p = sp.base;
@@ -320,6 +358,13 @@ __global__ void __launch_bounds__(kThreads, 2) expert_gemm_stream_kernel(const S
   const uint8_t* s_a = p.w_scale + ca * fp4layout::kChunkScaleBytes + g * 8;
   const uint8_t* s_b = p.w_scale + cb * fp4layout::kChunkScaleBytes + g * 8;
   const uint32_t smem_base = sm90gemm::smem_addr(smem);
+  if (tid == 0) {
+    for (int i = 0; i < C::kActStages; ++i) {
+      sm90gemm::mbar_init(smem_base + C::kBarrierOffset + i * 8, kThreads);                    // full[i]
+      sm90gemm::mbar_init(smem_base + C::kBarrierOffset + (C::kActStages + i) * 8, kWarps);  // empty[i]
+    }
+  }
+  __syncthreads();  // the barriers are initialised before any thread arrives or waits
 
   float acc[kHalves][4];
 #pragma unroll
@@ -330,7 +375,7 @@ __global__ void __launch_bounds__(kThreads, 2) expert_gemm_stream_kernel(const S
   else if (kTileRows == 16 || valid_rows <= 16) mainloop<C, 16>(p, smem_base, w_a, w_b, s_a, s_b, wvalid, a_src, c0, c1, acc);
   else mainloop<C, kTileRows>(p, smem_base, w_a, w_b, s_a, s_b, wvalid, a_src, c0, c1, acc);
   // NOTE: the epilogue reloads the tile's row start (L1/L2 hit) rather than keeping it live across the
-  // main loop, whose weight ring needs every register of the 128 (a spill otherwise).
+  // main loop.
   const int64_t row_start = p.tile_row_start[tile];
 
   if (sp.split_k > 1) {
@@ -390,7 +435,7 @@ __global__ void __launch_bounds__(kThreads, 2) expert_gemm_stream_kernel(const S
       }
   } else {
     // Staging tile stg[row][token] (fp32): gated: gate column 8w+g at row 8w+g, its up column at row
-    // 64 + 8w + g; relu2: weight row 16w+g (+8) at the same row. It overlays the activation ring.
+    // 64 + 8w + g; relu2: weight row 16w+g (+8) at the same row. It overlays the weight ring.
     __syncthreads();  // every warp is done with its last ldmatrix
     float* stg = reinterpret_cast<float*>(smem);
     const int row_g = gated ? 8 * warp + g : 16 * warp + g;

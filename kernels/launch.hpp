@@ -177,6 +177,8 @@ cudaError_t launch_gemm2(const Gemm2Args& args, cudaStream_t stream);
 // are added in fixed split order: results are deterministic run to run.
 inline constexpr int kMaxStreamSplitK = 64;
 bool gemm_stream_tile_supported(int tile_rows);  // 16 or 32
+// The streaming kernels' shared-memory opt-in; called by configure_expert_gemm and by the launchers.
+cudaError_t configure_expert_gemm_stream();
 size_t gemm_stream_workspace_bytes(int64_t max_tiles, int64_t N_rows, int tile_rows, int split_k);
 // The arrival counters at the start of that workspace (for launches with this max_tiles): a caller
 // that cannot guarantee they are still zero (a workspace shared with other work) clears these bytes.
