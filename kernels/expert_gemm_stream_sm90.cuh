@@ -99,9 +99,10 @@ struct StreamTile {
   static_assert(TileRows == 16 || TileRows == 32, "tile_tokens is 16 or 32");
   static constexpr int kTileRows = TileRows;
   static constexpr int kHalves = TileRows / 8;                        // n8 accumulator tiles
-  static constexpr int kWeightStages = TileRows == 16 ? 6 : 5;
+  static constexpr int kCtasPerSm = TileRows == 16 ? 3 : 2;          // __launch_bounds__ min blocks
+  static constexpr int kWeightStages = TileRows == 16 ? 4 : 5;
   static constexpr int kPrefetch = kWeightStages - 1;
-  static constexpr int kActStages = TileRows == 16 ? 8 : 6;
+  static constexpr int kActStages = TileRows == 16 ? 6 : 6;
   static constexpr int kActStageBytes = TileRows * kActRowBytes;     // 4 / 8 KiB
   static constexpr int kWeightRingBytes = kWarps * kWeightStages * kWarpStageBytes;  // 72 / 60 KiB
   static constexpr int kActRingOffset = kWeightRingBytes;
@@ -111,8 +112,8 @@ struct StreamTile {
   static constexpr int kStgStride = TileRows + 8;  // floats per staging row: float2 writes conflict-free
   static constexpr int kPartialFloats = kThreads * 4 * kHalves;      // one split's partial of an output tile
   static_assert(kActStages > kPrefetch && kPrefetch >= 1, "the activation ring must be deeper than the prefetch");
-  // NOTE: two CTAs per SM (16 warps): 2 x (dynamic + 1 KiB reserved per block) within 227 KiB.
-  static_assert(2 * (kSmemBytes + 1024 + 16) <= 227 * 1024, "two CTAs per SM must fit in shared memory");
+  // NOTE: kCtasPerSm x (dynamic + 1 KiB reserved per block + 128 B static) within 227 KiB.
+  static_assert(kCtasPerSm * (kSmemBytes + 1024 + 128) <= 227 * 1024, "kCtasPerSm CTAs must fit in shared memory");
   static_assert(kRowsPerCta * kStgStride * 4 <= kWeightRingBytes, "GEMM1 staging overlays the weight ring");
   static_assert(kStgStride % 32 == 8 || kStgStride % 32 == 24, "8 rows x 4 lanes of float2 on distinct banks");
   static_assert(kCopies * kThreads == TileRows * (kActRowBytes / 16), "activation copies split evenly");
@@ -305,7 +306,7 @@ __device__ __forceinline__ void mainloop(const Params& p, uint32_t smem_base, co
 // ---- kernel -------------------------------------------------------------------------------------------
 // kGemm2: GEMM2 epilogue (y or the fused top-1 finalize); otherwise GEMM1 (gated or relu2, at run time).
 template <bool kGemm2, int TileRows>
-__global__ void __launch_bounds__(kThreads, 2) expert_gemm_stream_kernel(const StreamParams sp) {
+__global__ void __launch_bounds__(kThreads, StreamTile<TileRows>::kCtasPerSm) expert_gemm_stream_kernel(const StreamParams sp) {
   using C = StreamTile<TileRows>;
   constexpr int kTileRows = C::kTileRows, kHalves = C::kHalves, kStgStride = C::kStgStride;
   constexpr int kPartialFloats = C::kPartialFloats;
