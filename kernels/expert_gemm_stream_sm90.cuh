@@ -80,10 +80,11 @@ inline constexpr int kWarps = kThreads / 32;
 inline constexpr int kRowsPerCta = 16 * kWarps;           // 128 weight rows (gated: 64 gate + 64 up)
 inline constexpr int kGroupsPerCta = kRowsPerCta / 8;     // 16 row groups
 inline constexpr int kActRowBytes = fp4layout::kChunkK * 2;          // 256: 128 bf16
-// Per warp and chunk, the weight ring holds each lane's own data: 16 B of row group a, 16 B of row
-// group b, 8 scale bytes of each ([wa: 32 x 16 B][wb: 32 x 16 B][sa: 32 x 8 B][sb: 32 x 8 B]).
-inline constexpr int kWarpStageBytes = 32 * (16 + 16 + 8 + 8);      // 1536
-inline constexpr int kStageOffsetB = 32 * 16, kStageOffsetSa = 2 * 32 * 16, kStageOffsetSb = 2 * 32 * 16 + 32 * 8;
+// Per warp and chunk, the weight ring stage holds [wa: 32 lanes x 16 B][wb: 32 x 16 B][scales of row
+// group a: 64 B][of row group b: 64 B]: each lane copies and reads its own weight words; lanes 0-7
+// copy the scales (16 B each), every lane reads the 8 bytes of its row g (after a __syncwarp).
+inline constexpr int kWarpStageBytes = 2 * fp4layout::kChunkBytes + 2 * fp4layout::kChunkScaleBytes;  // 1152
+inline constexpr int kStageOffsetB = fp4layout::kChunkBytes, kStageOffsetScales = 2 * fp4layout::kChunkBytes;
 
 // The two tile sizes (MoeTactic::tile_tokens): 16 token rows (two n8 halves), or 32 (four): an expert
 // with 17..32 rows then streams its weights once instead of twice, for 8 more accumulators and one
@@ -100,11 +101,11 @@ struct StreamTile {
   static constexpr int kTileRows = TileRows;
   static constexpr int kHalves = TileRows / 8;                        // n8 accumulator tiles
   static constexpr int kCtasPerSm = TileRows == 16 ? 3 : 2;          // __launch_bounds__ min blocks
-  static constexpr int kWeightStages = TileRows == 16 ? 4 : 5;
+  static constexpr int kWeightStages = 4;
   static constexpr int kPrefetch = kWeightStages - 1;
-  static constexpr int kActStages = TileRows == 16 ? 6 : 6;
+  static constexpr int kActStages = 8;  // the main loop is unrolled by kActStages: every ring index is an immediate
   static constexpr int kActStageBytes = TileRows * kActRowBytes;     // 4 / 8 KiB
-  static constexpr int kWeightRingBytes = kWarps * kWeightStages * kWarpStageBytes;  // 72 / 60 KiB
+  static constexpr int kWeightRingBytes = kWarps * kWeightStages * kWarpStageBytes;  // 36 KiB
   static constexpr int kActRingOffset = kWeightRingBytes;
   static constexpr int kBarrierOffset = kActRingOffset + kActStages * kActStageBytes;
   static constexpr int kSmemBytes = kBarrierOffset + 2 * kActStages * 8;  // + full[], empty[] mbarriers
@@ -112,6 +113,7 @@ struct StreamTile {
   static constexpr int kStgStride = TileRows + 8;  // floats per staging row: float2 writes conflict-free
   static constexpr int kPartialFloats = kThreads * 4 * kHalves;      // one split's partial of an output tile
   static_assert(kActStages > kPrefetch && kPrefetch >= 1, "the activation ring must be deeper than the prefetch");
+  static_assert(kActStages % kWeightStages == 0, "both rings wrap at the end of an unrolled main-loop pass");
   // NOTE: kCtasPerSm x (dynamic + 1 KiB reserved per block + 128 B static) within 227 KiB.
   static_assert(kCtasPerSm * (kSmemBytes + 1024 + 128) <= 227 * 1024, "kCtasPerSm CTAs must fit in shared memory");
   static_assert(kRowsPerCta * kStgStride * 4 <= kWeightRingBytes, "GEMM1 staging overlays the weight ring");
@@ -130,14 +132,13 @@ struct StreamParams {
 };
 
 // ---- PTX wrappers -----------------------------------------------------------------------------------
-// Weight copies into this lane's slots of the warp's ring: read once, never reused by this SM (.cg: no
-// L1 allocation); 256-byte L2 prefetch (the next chunk of a row group follows its current one). The
-// 8-byte scale copies go through L1 (.ca; .cg takes 16 bytes only): the 4 lanes of a row share them.
+// Weight and scale copies into the warp's ring: read once, never reused by this SM (.cg: no L1
+// allocation); 256-byte L2 prefetch (the next chunk of a row group follows its current one).
 __device__ __forceinline__ void cp_async_weights16(uint32_t dst, const uint8_t* src) {
   asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
 }
-__device__ __forceinline__ void cp_async_scales8(uint32_t dst, const uint8_t* src) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(dst), "l"(src) : "memory");
+__device__ __forceinline__ void cp_async_scales16(uint32_t dst, const uint8_t* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
 }
 // The mbarrier counts one arrival of this thread once all of its earlier cp.async copies have landed
 // (init count: one arrival per thread and phase).
@@ -164,141 +165,164 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4],
 }
 
 // ---- main loop ----------------------------------------------------------------------------------------
-// Chunks [c0, c1) of this CTA's split. w_a / w_b / s_a / s_b: this lane's weight word / scale bytes of
-// chunk c0 of the warp's two row groups (rows g, rows g+8); wvalid: the warp's rows lie inside N
-// (warp-uniform; otherwise it copies and computes no weights but still copies activations and takes
-// part in the barriers). a_src[i]: this thread's activation row i (token row tid/16 + 16i of the tile)
-// or nullptr past the tile's rows.
+// Chunks [c0, c1) of this CTA's split. w_a / w_b: this lane's weight word of chunk c0 of the warp's two
+// row groups (rows g, rows g+8); s_src: the 16 scale bytes lane l < 8 copies (row group a for l < 4, b
+// for 4 <= l < 8) of chunk c0, nullptr for l >= 8; wvalid: the warp's rows lie inside N (warp-uniform;
+// otherwise it copies and computes no weights but still copies activations and takes part in the
+// barriers). a_src[i]: this thread's activation row i (token row tid/16 + 16i of the tile) or nullptr
+// past the tile's rows.
 //
 // Per chunk kc (iteration order; all threads):
 //   a. refill: chunk kn = kc + kPrefetch (if < c1): wait until every warp is done with the activation
-//      stage's previous chunk kn - kActStages (empty[], skipped for the first kActStages chunks), copy
-//      this thread's activation segments (zero-filled past the tile's rows and past K), arrive on
-//      full[] once they have landed (cp.async.mbarrier.arrive.noinc), then copy this lane's weights
-//      and scales into the warp's weight stage of chunk kn (the stage decoded in the previous
-//      iteration); one commit group per iteration, possibly empty.
-//   b. wait: this thread's own weight copies of chunk kc (cp.async.wait_group kPrefetch), then the
-//      whole activation stage of chunk kc (full[], all 256 threads' copies).
+//      stage's previous chunk kn - kActStages (empty[], skipped in the first pass), copy this thread's
+//      activation segments (zero-filled past the tile's rows and past K), arrive on full[] once they
+//      have landed (cp.async.mbarrier.arrive.noinc), then copy this lane's weights (and scales) into
+//      the warp's weight stage of chunk kn (the stage decoded in the previous iteration); one commit
+//      group per iteration, possibly empty.
+//   b. wait: this thread's own copies of chunk kc (cp.async.wait_group kPrefetch), __syncwarp (the
+//      scales of lanes 0-7), then the whole activation stage of chunk kc (full[], all 256 threads).
 //   c. decode + MMA as described in the file header; then the warp arrives on empty[] of the stage.
+// The loop runs in passes of kActStages chunks, unrolled, so that every stage offset, every parity
+// and every source offset (chunk - pass start) is a compile-time constant.
 template <class C, int NT>
 __device__ __forceinline__ void mainloop(const Params& p, uint32_t smem_base, const uint8_t* w_a, const uint8_t* w_b,
-                                         const uint8_t* s_a, const uint8_t* s_b, const bool wvalid,
+                                         const uint8_t* s_src, const bool wvalid,
                                          const __nv_bfloat16* const (&a_src)[C::kCopies], int c0, int c1,
                                          float (&acc)[C::kHalves][4]) {
   static_assert(NT <= C::kTileRows, "mma width past the tile");
   constexpr int kActStageBytes = C::kActStageBytes, kActStages = C::kActStages;
   constexpr int kWeightStages = C::kWeightStages, kPrefetch = C::kPrefetch;
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4;
   const uint32_t act_ring = smem_base + C::kActRingOffset;
   const uint32_t full_bar = smem_base + C::kBarrierOffset;         // [kActStages] mbarriers, 8 B each
   const uint32_t empty_bar = full_bar + kActStages * 8;            // [kActStages]
   // This lane's slots in stage 0 of the warp's weight ring (stage s: + s * kWarpStageBytes).
   const uint32_t wring = smem_base + warp * kWeightStages * kWarpStageBytes;
   const uint32_t slot_wa = wring + lane * 16, slot_wb = wring + kStageOffsetB + lane * 16;
-  const uint32_t slot_sa = wring + kStageOffsetSa + lane * 8, slot_sb = wring + kStageOffsetSb + lane * 8;
+  const uint32_t slot_s_copy = wring + kStageOffsetScales + lane * 16;  // lanes 0-7
+  const uint32_t slot_sa = wring + kStageOffsetScales + g * 8, slot_sb = slot_sa + fp4layout::kChunkScaleBytes;
+  const bool copies_scales = wvalid && s_src != nullptr;
   // Activation copy i of this thread: row r = tid/16 + 16i, 16-byte segment c, stored at c ^ (r & 7)
   // (r + 16 has the same r & 7).
   const int cr = tid / 16, cc = tid % 16;
   const uint32_t copy_dst = act_ring + cr * kActRowBytes + ((cc ^ (cr & 7)) << 4);
 
-  // Producer state: chunk kn goes to weight stage pw and activation stage pa; pe = parity of the
-  // empty[pa] phase of its previous chunk kn - kActStages.
-  int pw = 0, pa = 0, pe = 1;  // pe flips to 0 when pa first wraps: chunk c0 used phase 0
-  auto refill = [&](int kn) {
+  // Sources of chunk `base` (the pass start); chunk base + j is at + j * (chunk stride).
+  const uint8_t* wa_it = w_a;
+  const uint8_t* wb_it = w_b;
+  const uint8_t* s_it = s_src;
+  const __nv_bfloat16* a_it[C::kCopies];
+#pragma unroll
+  for (int i = 0; i < C::kCopies; ++i) a_it[i] = a_src[i] != nullptr ? a_src[i] + c0 * fp4layout::kChunkK + cc * 8 : nullptr;
+  int col_it = c0 * fp4layout::kChunkK + cc * 8;  // K column of this thread's segment in chunk `base`
+
+  // Copies of chunk base + j into activation stage j % kActStages and weight stage j % kWeightStages;
+  // first_pass: no earlier chunk used the activation stage (no empty[] wait); e_parity: the parity of
+  // the empty[] phase of that earlier chunk.
+  auto refill = [&](int kn, int j, bool first_pass, uint32_t e_parity) {
     if (kn < c1) {
-      if (kn - kActStages >= c0) sm90gemm::mbar_wait(empty_bar + pa * 8, pe);
-      const int col = kn * fp4layout::kChunkK + cc * 8;
+      const int sa = j % kActStages, sw = j % kWeightStages;
+      if (!first_pass) sm90gemm::mbar_wait(empty_bar + sa * 8, e_parity);
+      const bool col_ok = col_it + j * fp4layout::kChunkK < p.K;  // K % 16 == 0: a segment is wholly in or out
 #pragma unroll
       for (int i = 0; i < C::kCopies; ++i) {
-        const bool ok = a_src[i] != nullptr && col < p.K;  // K % 16 == 0: a segment is wholly in or out
-        sm90gemm::cp_async16(copy_dst + pa * kActStageBytes + i * 16 * kActRowBytes, ok ? a_src[i] + col : p.a,
-                             ok ? 16u : 0u);
+        const bool ok = a_it[i] != nullptr && col_ok;
+        sm90gemm::cp_async16(copy_dst + sa * kActStageBytes + i * 16 * kActRowBytes,
+                             ok ? a_it[i] + j * fp4layout::kChunkK : p.a, ok ? 16u : 0u);
       }
-      cp_async_arrive_noinc(full_bar + pa * 8);
+      cp_async_arrive_noinc(full_bar + sa * 8);
       if (wvalid) {
-        const uint32_t off = pw * kWarpStageBytes;
-        cp_async_weights16(slot_wa + off, w_a);
-        cp_async_weights16(slot_wb + off, w_b);
-        cp_async_scales8(slot_sa + off, s_a);
-        cp_async_scales8(slot_sb + off, s_b);
-        w_a += fp4layout::kChunkBytes;
-        w_b += fp4layout::kChunkBytes;
-        s_a += fp4layout::kChunkScaleBytes;
-        s_b += fp4layout::kChunkScaleBytes;
+        cp_async_weights16(slot_wa + sw * kWarpStageBytes, wa_it + j * fp4layout::kChunkBytes);
+        cp_async_weights16(slot_wb + sw * kWarpStageBytes, wb_it + j * fp4layout::kChunkBytes);
+        if (copies_scales) cp_async_scales16(slot_s_copy + sw * kWarpStageBytes, s_it + j * fp4layout::kChunkScaleBytes);
       }
     }
     sm90gemm::cp_async_commit();  // always (possibly empty): one group per chunk keeps the count
-    if (++pw == kWeightStages) pw = 0;
-    if (++pa == kActStages) pa = 0, pe ^= 1;
   };
   // ldmatrix row address of this lane: matrices (tokens 0-7, seg 2s), (0-7, 2s+1), (8-15, 2s), (8-15, 2s+1)
   // for lanes 0-7, 8-15, 16-23, 24-31 (x2 uses the first two). Segment (2s + hi) ^ (r & 7) = 2s ^ lx.
   const int lr = (lane & 7) + ((lane >> 4) << 3), lx = ((lane >> 3) & 1) ^ (lane & 7);
   const uint32_t ldsm_base = act_ring + lr * kActRowBytes;
 
+#pragma unroll
+  for (int j = 0; j < kPrefetch; ++j) refill(c0 + j, j, true, 0);
+  uint32_t pass_parity = 0;  // parity of the current pass's full[] phases (and of its empty[] phases)
 #pragma unroll 1
-  for (int i = 0; i < kPrefetch; ++i) refill(c0 + i);
-  // Consumer state: chunk kc is in weight stage cw and activation stage ca; cf = parity of its full[ca] phase.
-  int cw = 0, ca = 0, cf = 0;
-#pragma unroll 1
-  for (int kc = c0; kc < c1; ++kc) {
-    refill(kc + kPrefetch);
-    // Groups committed: kPrefetch + (kc - c0 + 1); chunk kc's is the (kc - c0 + 1)-th.
-    sm90gemm::cp_async_wait<kPrefetch>();
-    sm90gemm::mbar_wait(full_bar + ca * 8, cf);
-    if (wvalid) {  // warp-uniform: rows past N
-      const uint32_t off = cw * kWarpStageBytes;
-      const uint4 wa = sm90gemm::lds128(slot_wa + off);
-      const uint4 wb = sm90gemm::lds128(slot_wb + off);
-      const uint2 sa = sm90gemm::lds64(slot_sa + off);
-      const uint2 sb = sm90gemm::lds64(slot_sb + off);
-      const uint32_t stage = ldsm_base + ca * kActStageBytes;
+  for (int base = c0; base < c1; base += kActStages) {
+    const bool first = base == c0;
 #pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const uint32_t wq_a = sm90gemm::word_of(wa, q);
-        const uint32_t wq_b = sm90gemm::word_of(wb, q);
-        const uint32_t sca = fp4layout::decode_scale_pair(q < 2 ? sa.x : sa.y, q & 1);
-        const uint32_t scb = fp4layout::decode_scale_pair(q < 2 ? sb.x : sb.y, q & 1);
-        uint32_t da[4], db[4];
-        fp4layout::decode_word(wq_a, da);
-        fp4layout::decode_word(wq_b, db);
-        uint32_t f[2][4];
-        // step 2q: a0 = row g cols 2t.., a1 = row g+8, a2 = row g cols 2t+8.., a3 = row g+8 cols 2t+8..
-        f[0][0] = sm90gemm::bf16x2_mul_lo(da[0], sca);
-        f[0][1] = sm90gemm::bf16x2_mul_lo(db[0], scb);
-        f[0][2] = sm90gemm::bf16x2_mul_lo(da[1], sca);
-        f[0][3] = sm90gemm::bf16x2_mul_lo(db[1], scb);
-        // step 2q+1
-        f[1][0] = sm90gemm::bf16x2_mul_hi(da[2], sca);
-        f[1][1] = sm90gemm::bf16x2_mul_hi(db[2], scb);
-        f[1][2] = sm90gemm::bf16x2_mul_hi(da[3], sca);
-        f[1][3] = sm90gemm::bf16x2_mul_hi(db[3], scb);
+    for (int d = 0; d < kActStages; ++d) {
+      const int kc = base + d;
+      if (kc >= c1) break;  // CTA-uniform
+      // Chunk kn = kc + kPrefetch: in this pass (j < kActStages: its stage was last used in the previous
+      // pass, phase parity ^ 1) or in the next one (j >= kActStages: used in this pass, phase parity).
+      const int j = d + kPrefetch;
+      if (j < kActStages) refill(kc + kPrefetch, j, first, pass_parity ^ 1u);
+      else refill(kc + kPrefetch, j, false, pass_parity);
+      // Groups committed: kPrefetch + (kc - c0 + 1); chunk kc's is the (kc - c0 + 1)-th.
+      sm90gemm::cp_async_wait<kPrefetch>();
+      __syncwarp();  // the scale copies of lanes 0-7 are visible to the warp
+      sm90gemm::mbar_wait(full_bar + d * 8, pass_parity);
+      if (wvalid) {  // warp-uniform: rows past N
+        const uint32_t off = (d % kWeightStages) * kWarpStageBytes;
+        const uint4 wa = sm90gemm::lds128(slot_wa + off);
+        const uint4 wb = sm90gemm::lds128(slot_wb + off);
+        const uint2 sa = sm90gemm::lds64(slot_sa + off);
+        const uint2 sb = sm90gemm::lds64(slot_sb + off);
+        const uint32_t stage = ldsm_base + d * kActStageBytes;
 #pragma unroll
-        for (int st = 0; st < 2; ++st) {
-          const int s = 2 * q + st;  // k16 step of the chunk: 16-byte segments 2s, 2s+1
-          const uint32_t addr = stage + (((2 * s) ^ lx) << 4);
-          if constexpr (NT >= 16) {
+        for (int q = 0; q < 4; ++q) {
+          const uint32_t wq_a = sm90gemm::word_of(wa, q);
+          const uint32_t wq_b = sm90gemm::word_of(wb, q);
+          const uint32_t sca = fp4layout::decode_scale_pair(q < 2 ? sa.x : sa.y, q & 1);
+          const uint32_t scb = fp4layout::decode_scale_pair(q < 2 ? sb.x : sb.y, q & 1);
+          uint32_t da[4], db[4];
+          fp4layout::decode_word(wq_a, da);
+          fp4layout::decode_word(wq_b, db);
+          uint32_t f[2][4];
+          // step 2q: a0 = row g cols 2t.., a1 = row g+8, a2 = row g cols 2t+8.., a3 = row g+8 cols 2t+8..
+          f[0][0] = sm90gemm::bf16x2_mul_lo(da[0], sca);
+          f[0][1] = sm90gemm::bf16x2_mul_lo(db[0], scb);
+          f[0][2] = sm90gemm::bf16x2_mul_lo(da[1], sca);
+          f[0][3] = sm90gemm::bf16x2_mul_lo(db[1], scb);
+          // step 2q+1
+          f[1][0] = sm90gemm::bf16x2_mul_hi(da[2], sca);
+          f[1][1] = sm90gemm::bf16x2_mul_hi(db[2], scb);
+          f[1][2] = sm90gemm::bf16x2_mul_hi(da[3], sca);
+          f[1][3] = sm90gemm::bf16x2_mul_hi(db[3], scb);
 #pragma unroll
-            for (int q16 = 0; q16 < NT / 16; ++q16) {  // tokens 16 q16 .. 16 q16 + 15
-              uint32_t b0, b1, b2, b3;
-              ldsm_x4(addr + q16 * 16 * kActRowBytes, b0, b1, b2, b3);
-              mma_16816(acc[2 * q16], f[st], b0, b1);
-              mma_16816(acc[2 * q16 + 1], f[st], b2, b3);
+          for (int st = 0; st < 2; ++st) {
+            const int s = 2 * q + st;  // k16 step of the chunk: 16-byte segments 2s, 2s+1
+            const uint32_t addr = stage + (((2 * s) ^ lx) << 4);
+            if constexpr (NT >= 16) {
+#pragma unroll
+              for (int q16 = 0; q16 < NT / 16; ++q16) {  // tokens 16 q16 .. 16 q16 + 15
+                uint32_t b0, b1, b2, b3;
+                ldsm_x4(addr + q16 * 16 * kActRowBytes, b0, b1, b2, b3);
+                mma_16816(acc[2 * q16], f[st], b0, b1);
+                mma_16816(acc[2 * q16 + 1], f[st], b2, b3);
+              }
+            } else {
+              uint32_t b0, b1;
+              ldsm_x2(addr, b0, b1);
+              mma_16816(acc[0], f[st], b0, b1);
             }
-          } else {
-            uint32_t b0, b1;
-            ldsm_x2(addr, b0, b1);
-            mma_16816(acc[0], f[st], b0, b1);
           }
         }
       }
+      // NOTE: every lane's ldmatrix results are consumed above; the warp's arrival (release) after
+      // __syncwarp orders all of its reads of the stage before any refill that waits on it.
+      __syncwarp();
+      if (lane == 0) sm90gemm::mbar_arrive(empty_bar + d * 8);
     }
-    // NOTE: every lane's ldmatrix results are consumed above; the warp's arrival (release) after
-    // __syncwarp orders all of its reads of the stage before any refill that waits on it.
-    __syncwarp();
-    if (lane == 0) sm90gemm::mbar_arrive(empty_bar + ca * 8);
-    if (++cw == kWeightStages) cw = 0;
-    if (++ca == kActStages) ca = 0, cf ^= 1;
+    wa_it += kActStages * fp4layout::kChunkBytes;
+    wb_it += kActStages * fp4layout::kChunkBytes;
+    if (copies_scales) s_it += kActStages * fp4layout::kChunkScaleBytes;
+#pragma unroll
+    for (int i = 0; i < C::kCopies; ++i)
+      if (a_it[i] != nullptr) a_it[i] += kActStages * fp4layout::kChunkK;
+    col_it += kActStages * fp4layout::kChunkK;
+    pass_parity ^= 1u;
   }
   sm90gemm::cp_async_wait<0>();  // only empty groups can be pending; the rings may be reused after this
 }
@@ -356,8 +380,9 @@ __global__ void __launch_bounds__(kThreads, StreamTile<TileRows>::kCtasPerSm) ex
   const int64_t cb = (expert_groups + (wvalid ? grp_b : 0)) * p.chunks + c0;
   const uint8_t* w_a = p.w + ca * fp4layout::kChunkBytes + lane * 16;
   const uint8_t* w_b = p.w + cb * fp4layout::kChunkBytes + lane * 16;
-  const uint8_t* s_a = p.w_scale + ca * fp4layout::kChunkScaleBytes + g * 8;
-  const uint8_t* s_b = p.w_scale + cb * fp4layout::kChunkScaleBytes + g * 8;
+  // Lanes 0-3 copy the 64 scale bytes of row group a (16 each), lanes 4-7 those of row group b.
+  const uint8_t* s_src = lane < 8 ? p.w_scale + (lane < 4 ? ca : cb) * fp4layout::kChunkScaleBytes + (lane % 4) * 16
+                                  : nullptr;
   const uint32_t smem_base = sm90gemm::smem_addr(smem);
   if (tid == 0) {
     for (int i = 0; i < C::kActStages; ++i) {
@@ -372,9 +397,9 @@ __global__ void __launch_bounds__(kThreads, StreamTile<TileRows>::kCtasPerSm) ex
   for (int h = 0; h < kHalves; ++h)
 #pragma unroll
     for (int r = 0; r < 4; ++r) acc[h][r] = 0.0f;
-  if (valid_rows <= 8) mainloop<C, 8>(p, smem_base, w_a, w_b, s_a, s_b, wvalid, a_src, c0, c1, acc);
-  else if (kTileRows == 16 || valid_rows <= 16) mainloop<C, 16>(p, smem_base, w_a, w_b, s_a, s_b, wvalid, a_src, c0, c1, acc);
-  else mainloop<C, kTileRows>(p, smem_base, w_a, w_b, s_a, s_b, wvalid, a_src, c0, c1, acc);
+  if (valid_rows <= 8) mainloop<C, 8>(p, smem_base, w_a, w_b, s_src, wvalid, a_src, c0, c1, acc);
+  else if (kTileRows == 16 || valid_rows <= 16) mainloop<C, 16>(p, smem_base, w_a, w_b, s_src, wvalid, a_src, c0, c1, acc);
+  else mainloop<C, kTileRows>(p, smem_base, w_a, w_b, s_src, wvalid, a_src, c0, c1, acc);
   // NOTE: the epilogue reloads the tile's row start (L1/L2 hit) rather than keeping it live across the
   // main loop.
   const int64_t row_start = p.tile_row_start[tile];
