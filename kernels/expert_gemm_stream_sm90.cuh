@@ -6,7 +6,8 @@
 // tokens are the MMA N dimension (swap AB), 8 per mma. Warps meet only through the activation ring's
 // mbarriers, never at a CTA barrier in the main loop.
 //
-// CTA = 256 threads (8 warps), 2 CTAs per SM (shared memory: ~104 / 108 KiB each), over
+// CTA = 256 threads (8 warps); 3 CTAs per SM with 16-row tiles (68 KiB of shared memory each), 2 with
+// 32-row tiles (100 KiB), over
 //   one tile (expert e, <= 16 or 32 token rows) x 128 weight rows x the K chunks of its split:
 //     plain / GEMM2: warp w owns the m16 tile of row groups 16*ntile + 2w (rows g) and 2w+1 (rows g+8);
 //     gated GEMM1:   warp w owns gate row group ig = 8*ntile + w (rows g) and up row group I/8 + ig
@@ -15,8 +16,8 @@
 //   Split s covers K chunks [s*cps, min(chunks, (s+1)*cps)), cps = ceil(chunks / split_k) (may be empty).
 //
 // Shared memory (dynamic, StreamTile<>):
-//   weight ring  [8 warps][kWeightStages][1536 B]: per lane 16 B of each row group (prepacked layout:
-//                512 B per (row group, chunk), lane*16) and the 8 scale bytes of its row (g*8 of 64);
+//   weight ring  [8 warps][kWeightStages][1152 B]: per lane 16 B of each row group (prepacked layout:
+//                512 B per (row group, chunk), lane*16), then the 2 x 64 scale bytes of the chunk;
 //   activation ring [kActStages][tile rows][128 bf16], rows 256 B apart, 16-byte segment c of row r
 //                at c ^ (r & 7); full[kActStages] (256 arrivals: every thread's copies landed) and
 //                empty[kActStages] (8 arrivals: every warp is done with the stage) mbarriers.
@@ -47,12 +48,13 @@
 //   acc[h][4]: n8 tile h (tokens 8h..8h+7); NT (8, 16 or 32 <= tile rows) covers the valid rows.
 //
 // NOTE (why shared memory for the weights, although every weight byte is used by one lane only): a
-// register ring of 4 chunks took all 128 registers of 16 warps/SM, and a CTA barrier per chunk made
-// every warp wait for the slowest one's loads: ncu on the H200 (deepseek-r1 GEMM1, T=64) showed 3.8
-// warps per scheduler with 0.95 eligible, 54% issue and 60% of DRAM bandwidth. The cp.async ring
-// costs no registers and an LDS per 16 bytes; in flight per SM: 16 warps x kPrefetch (5 / 4) chunks
-// x 1152 B ~ 74-92 KB. Consecutive chunks of a row group are adjacent in the prepacked layout
-// (L2::256B prefetch hint).
+// register ring of 4 chunks took all 128 registers (16 warps per SM) and a CTA barrier per chunk tied
+// the warps together. The cp.async ring costs no registers (71 with 16-row tiles: 3 CTAs, 24 warps
+// per SM) and an LDS per 16 bytes; in flight per SM: 24 warps x 3 chunks x 1152 B ~ 83 KB. With it the
+// kernel is bound by instructions, not by memory: the same load pattern without decode or MMA reads
+// 4.18 TB/s on an H200 (bench/micro/weight_stream_pattern.cu), while ncu shows issue slots 74% busy
+// with math-pipe throttle the largest stall after "not selected" (docs/perf.md, decode 2026-12-01).
+// Consecutive chunks of a row group are adjacent in the prepacked layout (L2::256B prefetch hint).
 // NOTE (activations in shared memory): the <= 16 token rows are shared by the 8 warps; fragments
 // loaded from global by every warp would cost 16 x 4-byte loads per lane per chunk and n8 half.
 // The stage rows are 256 B apart, so the 16-byte segment c of row r is stored at c ^ (r & 7): the 8
