@@ -4,8 +4,8 @@
 //   1. Check the arguments as launch_gemm1_act / launch_gemm2 do (cudaErrorInvalidValue), plus
 //      tile_rows in {16, 32}, split_k in [1, kMaxStreamSplitK] and, for split_k > 1, the workspace.
 //   2. Grid (1-D): max_tiles tiles x split_k x CTAs along N (128 weight rows; gated GEMM1: 64
-//      intermediate columns), 256 threads, 16 / 32 KiB of static shared memory (16- / 32-row tiles);
-//      CTAs past *num_tiles leave.
+//      intermediate columns), 256 threads, StreamTile<>::kSmemBytes of dynamic shared memory (opted in
+//      once per device by configure_expert_gemm_stream); CTAs past *num_tiles leave.
 //   3. Four instantiations: GEMM1 (gated or relu2, bf16 or NVFP4 output, at run time) and GEMM2, for
 //      each tile size.
 // Workspace (split_k > 1): [counters: outs int32, padded to 256 B][partials: outs * split_k * 8 / 16
