@@ -13,6 +13,8 @@
 
 #include <cuda_runtime.h>
 
+#include <cstdlib>
+#include <cstring>
 #include <utility>
 
 namespace fp4moe::kernels {
@@ -23,6 +25,16 @@ __device__ __forceinline__ void dependent_launch_prologue() {
   asm volatile("griddepcontrol.wait;" ::: "memory");
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
+}
+
+// FP4MOE_PDL=0 (read once per process) launches every kernel without the attribute: plain stream
+// order, for measuring what dependent launch gains or costs (docs/perf.md).
+inline bool dependent_launch_enabled() {
+  static const bool enabled = [] {
+    const char* v = std::getenv("FP4MOE_PDL");
+    return v == nullptr || std::strcmp(v, "0") != 0;
+  }();
+  return enabled;
 }
 
 // kernel<<<grid, block, smem, stream>>>(args...) with programmatic stream serialization.
@@ -38,7 +50,7 @@ cudaError_t launch_dependent(void (*kernel)(KernelArgs...), dim3 grid, dim3 bloc
   attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attribute[0].val.programmaticStreamSerializationAllowed = 1;
   config.attrs = attribute;
-  config.numAttrs = 1;
+  config.numAttrs = dependent_launch_enabled() ? 1 : 0;
   return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
 }
 

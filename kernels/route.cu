@@ -1,20 +1,16 @@
 // kernels/route.cu — top-k routing of DESIGN.md §4 on the GPU, the same numerics as
 // reference/routing.cpp (ids identical; weights equal up to the order of the softmax sum over E).
 //
-// One warp per token; expert e = 32*i + lane sits in register slot i of its lane (E <= 512).
-//   1. Load the logits (fp32, or bf16 widened). DeepSeekV3: sig = float(sigmoid(double s)),
-//      c = sig + bias (fp32); the choice score is c, for every other method the raw logit s.
-//   2. DeepSeekV3 with n_group > 1: c goes to shared memory; lanes split into groups (a power of two
-//      of lanes per group), each computes the top-2 c of its group (NaN lowest) and the group score
-//      c1 + c2 (fp32); topk_group rounds of a warp argmax keep the best groups (ties: lower group);
-//      experts of the other groups leave the candidate set.
-//   3. k rounds of a warp argmax over the candidates: the score is mapped to an order-preserving
+// Every method but DeepSeekV3: one warp per token (route_kernel); expert e = 32*i + lane sits in
+// register slot i of its lane (E <= 512).
+//   1. Load the logits (fp32, or bf16 widened); the choice score is the raw logit s.
+//   2. k rounds of a warp argmax over the candidates: the score is mapped to an order-preserving
 //      uint32 (NaN lowest, -0 == +0), redux.sync max picks the best value, redux.sync min the lowest
 //      expert id among equal values. Lane j keeps the id of slot j.
-//   4. Lane j computes the weight of slot j from the logit of its expert (transcendentals in double,
+//   3. Lane j computes the weight of slot j from the logit of its expert (transcendentals in double,
 //      slot sums in slot order by shuffles, the softmax sum over E by a warp tree) and writes it.
-// DeepSeekV3 runs route_deepseek_block_kernel instead (one CTA per token, one thread per expert; same
-// arithmetic and tie rules), whose latency per token is a fraction of the warp's.
+// DeepSeekV3 (sigmoid + bias choice scores, group selection): route_deepseek_block_kernel, one CTA per
+// token and one thread per expert.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -73,7 +69,6 @@ __device__ __forceinline__ int warp_argmax(uint32_t key, uint32_t id) {
 template <int VPT>  // values per lane: E <= 32 * VPT
 __global__ void __launch_bounds__(kWarpsPerBlock * 32)
     route_kernel(const RouteArgs args) {
-  __shared__ float group_c[kWarpsPerBlock][kMaxExperts];  // DeepSeekV3 grouped selection only
   dependent_launch_prologue();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t t = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + warp;
@@ -82,7 +77,6 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
   const int E = args.num_experts;
   const RoutingParams& p = args.params;
   const int k = p.top_k;
-  const bool deepseek = p.method == RoutingMethod::DeepSeekV3;
   const int64_t row = t * E;
 
   // 1. choice scores as order keys
@@ -90,63 +84,10 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
 #pragma unroll
   for (int i = 0; i < VPT; ++i) {
     const int e = 32 * i + lane;
-    key[i] = kKeyNone;
-    if (e < E) {
-      const float s = load_logit(args.logits, args.logits_bf16, row + e);
-      float score = s;
-      if (deepseek) {
-        const float sig = static_cast<float>(sigmoid(static_cast<double>(s)));
-        score = __fadd_rn(sig, args.bias != nullptr ? args.bias[e] : 0.0f);
-        group_c[warp][e] = score;
-      }
-      key[i] = order_key(score);
-    }
+    key[i] = e < E ? order_key(load_logit(args.logits, args.logits_bf16, row + e)) : kKeyNone;
   }
 
-  // 2. DeepSeekV3 group selection
-  if (deepseek && p.n_group > 1) {
-    __syncwarp();
-    const int ng = p.n_group, gsize = E / ng;
-    int lpg = 1;  // lanes per group: a power of two with lpg * ng <= 32
-    while (lpg * 2 * ng <= 32) lpg *= 2;
-    const int g = lane / lpg, sub = lane % lpg;
-    uint32_t k1 = kKeyNone, k2 = kKeyNone;  // top-2 keys of the group, k1 >= k2
-    if (g < ng) {
-      for (int i = sub; i < gsize; i += lpg) {
-        const uint32_t kc = order_key(group_c[warp][g * gsize + i]);
-        if (kc > k1) {
-          k2 = k1;
-          k1 = kc;
-        } else if (kc > k2) {
-          k2 = kc;
-        }
-      }
-    }
-    for (int off = 1; off < lpg; off <<= 1) {  // merge top-2 within aligned segments of lpg lanes
-      const uint32_t o1 = __shfl_xor_sync(kFull, k1, off), o2 = __shfl_xor_sync(kFull, k2, off);
-      const uint32_t hi = max(k1, o1), mid = max(min(k1, o1), max(k2, o2));
-      k1 = hi;
-      k2 = mid;
-    }
-    // group score = larger c + second c (fp32); lane g*lpg speaks for group g
-    const bool speaker = g < ng && sub == 0;
-    const uint32_t gkey = speaker ? order_key(__fadd_rn(key_value(k1), key_value(k2))) : kKeyNone;
-    uint32_t kept = 0, taken = 0;
-    for (int r = 0; r < p.topk_group; ++r) {
-      const int win = warp_argmax((taken || !speaker) ? kKeyNone : gkey, static_cast<uint32_t>(g));
-      if (win >= 0) {
-        kept |= 1u << win;
-        if (win == g) taken = 1;
-      }
-    }
-#pragma unroll
-    for (int i = 0; i < VPT; ++i) {
-      const int e = 32 * i + lane;
-      if (e < E && !((kept >> (e / gsize)) & 1u)) key[i] = kKeyNone;
-    }
-  }
-
-  // 3. top-k: slot j's id is kept by lane j
+  // 2. top-k: slot j's id is kept by lane j
   int my_id = -1;
   for (int j = 0; j < k; ++j) {
     uint32_t best = kKeyNone, best_id = 0xFFFFFFFFu;
@@ -166,7 +107,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
     if (lane == j) my_id = win;
   }
 
-  // 4. weights
+  // 3. weights
   const bool active = lane < k;
   const float s = active && my_id >= 0 ? load_logit(args.logits, args.logits_bf16, row + my_id) : 0.0f;
   double w = 0.0;
@@ -213,14 +154,9 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
       w = sg / denom;
       break;
     }
-    case RoutingMethod::DeepSeekV3: {
-      const double sg = static_cast<double>(static_cast<float>(sigmoid(static_cast<double>(s))));
-      const double sum = slot_sum(active ? sg : 0.0, k);
-      w = sg / (sum + 1e-20) * static_cast<double>(p.routed_scaling_factor);
+    case RoutingMethod::DeepSeekV3:   // route_deepseek_block_kernel
+    case RoutingMethod::Precomputed:  // refused by the launcher
       break;
-    }
-    case RoutingMethod::Precomputed:
-      break;  // refused by the launcher
   }
   if (active) {
     args.topk_ids[t * k + lane] = my_id;
@@ -228,10 +164,10 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
   }
 }
 
-// DeepSeekV3 with one CTA per token and one thread per expert (blockDim = E rounded up to 32): the
-// same choice as route_kernel's DeepSeekV3 path, in the same arithmetic, but the sigmoids, the
-// group scan and the top-k rounds run across the CTA instead of one warp's serial instruction stream
-// (the warp version issues ~5000 dependent instructions per token: ~17 us at T = 1).
+// DeepSeekV3 with one CTA per token and one thread per expert (blockDim = E rounded up to 32), the
+// choice and weights of reference/routing.cpp: the sigmoids, the group scan and the top-k rounds run
+// across the CTA (a one-warp version issued ~5000 dependent instructions per token: ~17 us at T = 1,
+// against 9 us for the whole route stage with this kernel on the H200).
 //   1. thread e: c = fp32(sigmoid(double s)) + bias[e], its order key; c to shared memory
 //   2. n_group > 1: thread g < n_group scans its group's c in order for the top-2 keys; group score =
 //      value(k1) + value(k2) (fp32); thread 0 keeps the topk_group best groups (ties: lower group)
