@@ -23,23 +23,15 @@ namespace fp4moe::kernels {
 cudaError_t configure_expert_gemm() {
   // The shared-memory opt-in is set once per device.
   static std::atomic<uint64_t> configured{0};
-  int device = 0;
-  if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
-  const uint64_t bit = device < 64 ? (uint64_t{1} << device) : 0;
-  if (bit != 0 && (configured.load() & bit)) return cudaSuccess;
-  if (cudaError_t e = cudaFuncSetAttribute(sm90gemm::expert_gemm_kernel<128>,
-                                           cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           static_cast<int>(sm90gemm::TileConfig<128>::kSmemBytes));
-      e != cudaSuccess)
-    return e;
-  if (cudaError_t e = cudaFuncSetAttribute(sm90gemm::expert_gemm_kernel<256>,
-                                           cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           static_cast<int>(sm90gemm::TileConfig<256>::kSmemBytes));
-      e != cudaSuccess)
-    return e;
-  if (cudaError_t e = configure_expert_gemm_stream(); e != cudaSuccess) return e;
-  configured.fetch_or(bit);
-  return cudaSuccess;
+  return gemm_detail::once_per_device(configured, [] {
+    const auto opt_in = [](auto kernel, size_t bytes) {
+      return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
+    };
+    for (cudaError_t e : {opt_in(sm90gemm::expert_gemm_kernel<128>, sm90gemm::TileConfig<128>::kSmemBytes),
+                          opt_in(sm90gemm::expert_gemm_kernel<256>, sm90gemm::TileConfig<256>::kSmemBytes)})
+      if (e != cudaSuccess) return e;
+    return configure_expert_gemm_stream();
+  });
 }
 
 namespace {

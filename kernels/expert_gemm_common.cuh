@@ -2,6 +2,9 @@
 // the expert GEMMs (expert_gemm.cu: the wgmma kernel, expert_gemm_stream.cu: the streaming kernel).
 #pragma once
 
+#include <cuda_runtime.h>
+
+#include <atomic>
 #include <climits>
 #include <cstdint>
 
@@ -11,6 +14,19 @@
 namespace fp4moe::kernels::gemm_detail {
 
 inline bool aligned(const void* p, uintptr_t a) { return reinterpret_cast<uintptr_t>(p) % a == 0; }
+
+// Runs configure() (kernel attributes such as the shared-memory opt-in) once per device: `done` holds
+// one bit per device ordinal < 64 (ordinals past 63 configure on every call).
+template <class Configure>
+cudaError_t once_per_device(std::atomic<uint64_t>& done, Configure&& configure) {
+  int device = 0;
+  if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
+  const uint64_t bit = device < 64 ? (uint64_t{1} << device) : 0;
+  if (bit != 0 && (done.load() & bit)) return cudaSuccess;
+  if (cudaError_t e = configure(); e != cudaSuccess) return e;
+  done.fetch_or(bit);
+  return cudaSuccess;
+}
 
 // Shapes, the prepacked weights' shape, null or misaligned pointers (nothing is checked past the
 // shapes when max_tiles == 0: nothing will be launched).

@@ -72,20 +72,17 @@ cudaError_t launch(ss::StreamParams sp, int tile_rows, cudaStream_t stream) {
 cudaError_t configure_expert_gemm_stream() {
   // The shared-memory opt-in (> 48 KiB of dynamic shared memory) is set once per device.
   static std::atomic<uint64_t> configured{0};
-  int device = 0;
-  if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
-  const uint64_t bit = device < 64 ? (uint64_t{1} << device) : 0;
-  if (bit != 0 && (configured.load() & bit)) return cudaSuccess;
-  const auto opt_in = [](auto kernel, int bytes) {
-    return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-  };
-  for (cudaError_t e : {opt_in(ss::expert_gemm_stream_kernel<false, 16>, ss::StreamTile<16>::kSmemBytes),
-                        opt_in(ss::expert_gemm_stream_kernel<true, 16>, ss::StreamTile<16>::kSmemBytes),
-                        opt_in(ss::expert_gemm_stream_kernel<false, 32>, ss::StreamTile<32>::kSmemBytes),
-                        opt_in(ss::expert_gemm_stream_kernel<true, 32>, ss::StreamTile<32>::kSmemBytes)})
-    if (e != cudaSuccess) return e;
-  configured.fetch_or(bit);
-  return cudaSuccess;
+  return gemm_detail::once_per_device(configured, [] {
+    const auto opt_in = [](auto kernel, int bytes) {
+      return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+    };
+    for (cudaError_t e : {opt_in(ss::expert_gemm_stream_kernel<false, 16>, ss::StreamTile<16>::kSmemBytes),
+                          opt_in(ss::expert_gemm_stream_kernel<true, 16>, ss::StreamTile<16>::kSmemBytes),
+                          opt_in(ss::expert_gemm_stream_kernel<false, 32>, ss::StreamTile<32>::kSmemBytes),
+                          opt_in(ss::expert_gemm_stream_kernel<true, 32>, ss::StreamTile<32>::kSmemBytes)})
+      if (e != cudaSuccess) return e;
+    return cudaSuccess;
+  });
 }
 
 bool gemm_stream_tile_supported(int tile_rows) { return tile_rows == 16 || tile_rows == 32; }
