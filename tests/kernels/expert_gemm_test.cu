@@ -348,7 +348,7 @@ std::vector<T> launch_and_download(Args& g, const GemmKernelUnderTest& k, Launch
   std::vector<T> second = out.download();
   EXPECT_EQ(0, std::memcmp(first.data(), second.data(), first.size() * sizeof(T))) << "split-K is not deterministic";
   const std::vector<uint8_t> wsh = ws.download();
-  const int64_t outs = g.max_tiles * ((N + 127) / 128);
+  const int64_t outs = static_cast<int64_t>(kernels::gemm_stream_counter_bytes(g.max_tiles, N) / sizeof(int32_t));
   for (int64_t i = 0; i < outs; ++i) {
     int32_t c;
     std::memcpy(&c, wsh.data() + 4 * i, 4);
