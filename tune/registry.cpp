@@ -28,7 +28,7 @@ const FamilyRule kFamilies[] = {
 };
 
 constexpr int64_t kKChunk = 128;  // K elements per pipeline stage of the streaming kernel
-constexpr int64_t kNumSms = 132;  // H100/H200 SXM: the heuristic aims for >= 2 waves of CTAs
+constexpr int64_t kNumSms = 132;  // H100/H200 SXM: the heuristic's split-K rule counts CTAs per SM
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 int64_t k_chunks(int64_t K) { return ceil_div(K, kKChunk); }
@@ -85,12 +85,26 @@ MoeTactic heuristic_tactic(const MoeProblem& p, int64_t T) {
   // m = R * k / E tokens per expert; compared without division. R <= 2^21 and k <= 32: no overflow.
   const int64_t routed = R * k;
   if (routed <= 24 * E) {
-    MoeTactic stream{GemmKernel::Sm90Stream, 16, 1};
+    // Streaming kernel. Rules fitted to the decode tuning of 2026-12-01 on an H200 (docs/perf.md,
+    // "decode heuristic"), for which they pick the tuned tactic or one within ~3% of it:
+    //   split K: the GEMM with fewer CTAs (128 output rows each) decides. Split by the largest s in
+    //     {1, 2, 4} that keeps that grid at <= 5 CTAs per SM and every split >= 10 K chunks in both
+    //     GEMMs (a split costs a partial write, a reduction and one more pipeline fill). One llama4-scout
+    //     token (1 expert, GEMM2 40 CTAs, 40/64 chunks): s4, 65 us against 82 us with s2; qwen3-30b-a3b
+    //     (6 chunks in GEMM2): never split, s1 39 us against 41 us with s2.
+    //   32-token tiles once the mean rows per expert exceed 12: with 16-token tiles an expert that
+    //     receives 17..32 rows streams its weights twice (qwen3-235b-a22b T = 256: 616 us against
+    //     702 us with 16-token tiles).
+    const int tile = routed > 12 * E ? 32 : 16;
     const int64_t experts_hit = std::min(E, routed);
-    const int64_t row_tiles = ceil_div(std::max(p.w13_rows(), p.hidden), 128);  // 128 output rows per CTA
-    const MoeTactic split2{GemmKernel::Sm90Stream, 16, 2};
-    if (experts_hit * row_tiles < 2 * kNumSms && tactic_valid(p, split2)) stream = split2;
-    return stream;
+    const int64_t fewer_rows = std::min(p.w13_rows(), p.hidden);
+    const int64_t ctas = experts_hit * ceil_div(fewer_rows, 128);
+    const int64_t chunks = std::min(k_chunks(p.hidden), k_chunks(p.inter));
+    for (int split : {4, 2}) {
+      const MoeTactic t{GemmKernel::Sm90Stream, tile, split};
+      if (ctas * split <= 5 * kNumSms && chunks >= 10 * split && tactic_valid(p, t)) return t;
+    }
+    return {GemmKernel::Sm90Stream, tile, 1};
   }
   // NOTE: 256-token tiles halve the decode per flop but double the CTAs' activation bytes and halve
   // the weight rows per CTA; measured on the H200 (docs/perf.md) they win from ~256 tokens per expert.

@@ -66,9 +66,10 @@ inline bool tactic_valid(const MoeProblem& problem, const MoeTactic& tactic) {
 }
 // The tactic without profiling, for the bucket of T (it depends on T only through the bucket's
 // representative R). With m = R * k / E (expected tokens per expert):
-//   m <= 24:   sm90_stream t16, split_k 2 when valid and the grid is small (experts_hit *
-//              ceil(max(w13 rows, H) / 128) < 264 CTAs, i.e. under two waves of 132 SMs, with
-//              experts_hit = min(E, R * k)), else split_k 1;
+//   m <= 24:   sm90_stream; tile_tokens 32 when m > 12, else 16; split_k the largest of 4, 2 that is
+//              valid, keeps experts_hit * ceil(min(w13 rows, H) / 128) * split_k <= 5 * 132 CTAs
+//              (experts_hit = min(E, R * k)) and leaves >= 10 chunks of 128 per split in both
+//              GEMMs, else 1;
 //   m < 256:   sm90_wgmma t128;
 //   else:      sm90_wgmma t256.
 // Always valid for the problem. Throws fp4moe::Error for T < 0.

@@ -26,6 +26,7 @@ const MoeTactic kWgmma256{GemmKernel::Sm90Wgmma, 256, 1};
 const MoeTactic kStream1{GemmKernel::Sm90Stream, 16, 1};
 const MoeTactic kStream2{GemmKernel::Sm90Stream, 16, 2};
 const MoeTactic kStream4{GemmKernel::Sm90Stream, 16, 4};
+const MoeTactic kStream32{GemmKernel::Sm90Stream, 32, 1};
 const MoeTactic kStream32x1{GemmKernel::Sm90Stream, 32, 1};
 const MoeTactic kStream32x2{GemmKernel::Sm90Stream, 32, 2};
 const MoeTactic kStream32x4{GemmKernel::Sm90Stream, 32, 4};
@@ -114,15 +115,30 @@ TEST(Registry, HeuristicFollowsTokensPerExpert) {
   // T = 8: 64 routed slots -> 64 experts hit * ceil(7168 / 128) = 3584 CTAs: no split needed.
   EXPECT_EQ(heuristic_tactic(ds, 8), kStream1);
   EXPECT_EQ(heuristic_tactic(ds, 4), kStream1);  // 32 experts * 56 = 1792 CTAs
-  EXPECT_EQ(heuristic_tactic(ds, 768), kStream1);            // m = 24
+  EXPECT_EQ(heuristic_tactic(ds, 384), kStream1);            // m = 12
+  EXPECT_EQ(heuristic_tactic(ds, 768), kStream32);           // m = 24: 32-token tiles
   EXPECT_EQ(heuristic_tactic(ds, 769), kWgmma128);           // bucket [769, 896]: m = 28
   EXPECT_EQ(heuristic_tactic(ds, 7168), kWgmma128);          // bucket [6145, 7168]: m = 224
   EXPECT_EQ(heuristic_tactic(ds, 7169), kWgmma256);          // bucket [7169, 8192]: m = 256
   EXPECT_EQ(heuristic_tactic(ds, int64_t(1) << 40), kWgmma256);
-  // Few experts hit, small rows: the grid is under two waves, so split K.
-  const MoeProblem small = problem(128, 2048, 768, 8);  // rows max(1536, 2048) -> 16 tiles per expert
-  EXPECT_EQ(heuristic_tactic(small, 1), kStream2);      // 8 experts * 16 = 128 CTAs < 264
-  EXPECT_EQ(heuristic_tactic(small, 3), kStream1);      // 24 experts * 16 = 384 CTAs
+  // Few experts hit and long K: split K while the smaller GEMM keeps <= 5 CTAs per SM and >= 10 chunks
+  // per split. llama4-scout shape: GEMM2 has ceil(5120 / 128) = 40 CTAs per expert, K chunks 40 and 64.
+  const MoeProblem scout = problem(16, 5120, 8192, 1);
+  EXPECT_EQ(heuristic_tactic(scout, 1), kStream4);   // 40 CTAs * 4 = 160
+  EXPECT_EQ(heuristic_tactic(scout, 4), kStream4);   // 160 * 4 = 640 <= 660
+  EXPECT_EQ(heuristic_tactic(scout, 5), kStream2);   // 200 * 2 = 400
+  EXPECT_EQ(heuristic_tactic(scout, 8), kStream2);   // 320 * 2 = 640
+  EXPECT_EQ(heuristic_tactic(scout, 9), kStream1);   // 360 * 2 > 660
+  // Short K: GEMM2 of qwen3-30b-a3b has ceil(768 / 128) = 6 chunks, never split.
+  const MoeProblem small = problem(128, 2048, 768, 8);
+  EXPECT_EQ(heuristic_tactic(small, 1), kStream1);
+  EXPECT_EQ(heuristic_tactic(small, 3), kStream1);
+  // 32-token tiles once the mean rows per expert exceed 12 (T * 8 / 128 > 12: T > 192).
+  const MoeProblem mid = problem(128, 4096, 1536, 8);
+  EXPECT_EQ(heuristic_tactic(mid, 192), kStream1);
+  EXPECT_EQ(heuristic_tactic(mid, 193), kStream32);  // bucket [193, 224]
+  EXPECT_EQ(heuristic_tactic(mid, 384), kStream32);  // m = 24, still streaming
+  EXPECT_EQ(heuristic_tactic(mid, 385), kWgmma128);
   // Split K not allowed by the shape: stays split 1.
   EXPECT_EQ(heuristic_tactic(problem(16, 1024, 384, 2), 1), kStream1);
   expect_error([&] { heuristic_tactic(ds, -1); }, "token count T must be >= 0");

@@ -89,8 +89,8 @@ TEST(TacticSelector, DescribesTheChoiceForTheDebugLog) {
   EXPECT_EQ(describe_choice(p, 300, s.select(300)),
             "forward " + p.describe() + " T=300 bucket 50 [289, 320] tactic sm90_wgmma/t256/s1 (cache)");
   EXPECT_THAT(describe_choice(p, 3, s.select(3)), HasSubstr("T=3 bucket 3 [3, 3] tactic sm90_stream/t16/s1 (heuristic)"));
-  // One token: 8 experts * 16 row tiles = 128 CTAs, under two waves: split K.
-  EXPECT_THAT(describe_choice(p, 1, s.select(1)), HasSubstr("T=1 bucket 1 [1, 1] tactic sm90_stream/t16/s2 (heuristic)"));
+  // One token: 8 experts, but GEMM2 has 6 K chunks (I = 768): no split.
+  EXPECT_THAT(describe_choice(p, 1, s.select(1)), HasSubstr("T=1 bucket 1 [1, 1] tactic sm90_stream/t16/s1 (heuristic)"));
 }
 
 TEST(LogLevel, ParsesTheThreeValuesAndWarnsOnOthers) {
