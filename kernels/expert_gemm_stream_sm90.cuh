@@ -6,8 +6,8 @@
 // tokens are the MMA N dimension (swap AB), 8 per mma. Warps meet only through the activation ring's
 // mbarriers, never at a CTA barrier in the main loop.
 //
-// CTA = 256 threads (8 warps); 3 CTAs per SM with 16-row tiles (68 KiB of shared memory each), 2 with
-// 32-row tiles (100 KiB), over
+// CTA = 256 threads (8 warps); 4 CTAs per SM with 16-row tiles (51 KiB of shared memory each), 2 with
+// 32-row tiles (75 KiB), over
 //   one tile (expert e, <= 16 or 32 token rows) x 128 weight rows x the K chunks of its split:
 //     plain / GEMM2: warp w owns the m16 tile of row groups 16*ntile + 2w (rows g) and 2w+1 (rows g+8);
 //     gated GEMM1:   warp w owns gate row group ig = 8*ntile + w (rows g) and up row group I/8 + ig
@@ -49,8 +49,8 @@
 //
 // NOTE (why shared memory for the weights, although every weight byte is used by one lane only): a
 // register ring of 4 chunks took all 128 registers (16 warps per SM) and a CTA barrier per chunk tied
-// the warps together. The cp.async ring costs no registers (71 with 16-row tiles: 3 CTAs, 24 warps
-// per SM) and an LDS per 16 bytes; in flight per SM: 24 warps x 3 chunks x 1152 B ~ 83 KB. With it the
+// the warps together. The cp.async ring costs no registers (64 with 16-row tiles: 4 CTAs, 32 warps
+// per SM) and an LDS per 16 bytes; in flight per SM: 32 warps x 2 chunks x 1152 B ~ 74 KB. With it the
 // kernel is bound by instructions, not by memory: the same load pattern without decode or MMA reads
 // 4.18 TB/s on an H200 (bench/micro/weight_stream_pattern.cu), while ncu shows issue slots 74% busy
 // with math-pipe throttle the largest stall after "not selected" (docs/perf.md, decode 2026-12-01).
@@ -102,12 +102,17 @@ struct StreamTile {
   static_assert(TileRows == 16 || TileRows == 32, "tile_tokens is 16 or 32");
   static constexpr int kTileRows = TileRows;
   static constexpr int kHalves = TileRows / 8;                        // n8 accumulator tiles
-  static constexpr int kCtasPerSm = TileRows == 16 ? 3 : 2;          // __launch_bounds__ min blocks
-  static constexpr int kWeightStages = 4;
+  static constexpr int kCtasPerSm = TileRows == 16 ? 4 : 2;          // __launch_bounds__ min blocks
+  // NOTE (depths, measured on an H200 over 28 decode rows): 3 weight stages with 4 CTAs per SM (16-row
+  // tiles) and a 6-deep activation ring took 2.3% off the sum against 4 stages, 3 CTAs and 8; a 4-deep
+  // activation ring was 1-3% slower at either occupancy (the warps of a CTA drift at most
+  // kActStages - kPrefetch chunks apart). The 64-register cap spills 4 B in the 16-row GEMM1 kernel,
+  // reloaded only in the epilogue (SASS: no local memory access in the main loops).
+  static constexpr int kWeightStages = 3;
   static constexpr int kPrefetch = kWeightStages - 1;
-  static constexpr int kActStages = 8;  // the main loop is unrolled by kActStages: every ring index is an immediate
+  static constexpr int kActStages = 6;  // the main loop is unrolled by kActStages: every ring index is an immediate
   static constexpr int kActStageBytes = TileRows * kActRowBytes;     // 4 / 8 KiB
-  static constexpr int kWeightRingBytes = kWarps * kWeightStages * kWarpStageBytes;  // 36 KiB
+  static constexpr int kWeightRingBytes = kWarps * kWeightStages * kWarpStageBytes;  // 27 KiB
   static constexpr int kActRingOffset = kWeightRingBytes;
   static constexpr int kBarrierOffset = kActRingOffset + kActStages * kActStageBytes;
   static constexpr int kSmemBytes = kBarrierOffset + 2 * kActStages * 8;  // + full[], empty[] mbarriers
