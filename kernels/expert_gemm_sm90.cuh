@@ -319,6 +319,25 @@ __device__ __forceinline__ uint32_t bf16x2_mul_hi(uint32_t x, uint32_t s) {  // 
 __device__ __forceinline__ uint32_t word_of(const uint4& v, int q) {
   return q == 0 ? v.x : q == 1 ? v.y : q == 2 ? v.z : v.w;
 }
+// The A fragments of word q of an m16 tile's chunk (both kernels): rows g from this lane's weight
+// words wa and scale codes sa, rows g+8 from wb and sb; f0 = k16 step 2q, f1 = step 2q+1, each
+// {a0 = row g cols 2t.., a1 = row g+8, a2 = row g cols 2t+8.., a3 = row g+8 cols 2t+8..}.
+__device__ __forceinline__ void decode_fragments(const uint4& wa, const uint4& wb, const uint2& sa, const uint2& sb,
+                                                 int q, uint32_t (&f0)[4], uint32_t (&f1)[4]) {
+  const uint32_t sca = fp4layout::decode_scale_pair(q < 2 ? sa.x : sa.y, q & 1);
+  const uint32_t scb = fp4layout::decode_scale_pair(q < 2 ? sb.x : sb.y, q & 1);
+  uint32_t da[4], db[4];
+  fp4layout::decode_word(word_of(wa, q), da);
+  fp4layout::decode_word(word_of(wb, q), db);
+  f0[0] = bf16x2_mul_lo(da[0], sca);
+  f0[1] = bf16x2_mul_lo(db[0], scb);
+  f0[2] = bf16x2_mul_lo(da[1], sca);
+  f0[3] = bf16x2_mul_lo(db[1], scb);
+  f1[0] = bf16x2_mul_hi(da[2], sca);
+  f1[1] = bf16x2_mul_hi(db[2], scb);
+  f1[2] = bf16x2_mul_hi(da[3], sca);
+  f1[3] = bf16x2_mul_hi(db[3], scb);
+}
 
 // Consumer main loop over the K chunks with wgmma width NT; acc[b] is block b's 64xNT accumulator.
 // One wgmma group per word q (2 k16 steps x 2 blocks); the group of word q+1 is decoded while the
@@ -352,23 +371,7 @@ __device__ __forceinline__ void consumer_mainloop(const Params& p, uint8_t* smem
   // Fragments of word q: f[k16 step of the pair][block][register].
   auto decode = [&](int q, uint32_t (&f)[2][kB][4]) {
 #pragma unroll
-    for (int b = 0; b < kB; ++b) {
-      const uint32_t sca = fp4layout::decode_scale_pair(q < 2 ? sa[b].x : sa[b].y, q & 1);
-      const uint32_t scb = fp4layout::decode_scale_pair(q < 2 ? sb[b].x : sb[b].y, q & 1);
-      uint32_t da[4], db[4];
-      fp4layout::decode_word(word_of(wa[b], q), da);
-      fp4layout::decode_word(word_of(wb[b], q), db);
-      // step 2q: a0 = row g cols 2t.., a1 = row g+8, a2 = row g cols 2t+8.., a3 = row g+8 cols 2t+8..
-      f[0][b][0] = bf16x2_mul_lo(da[0], sca);
-      f[0][b][1] = bf16x2_mul_lo(db[0], scb);
-      f[0][b][2] = bf16x2_mul_lo(da[1], sca);
-      f[0][b][3] = bf16x2_mul_lo(db[1], scb);
-      // step 2q+1
-      f[1][b][0] = bf16x2_mul_hi(da[2], sca);
-      f[1][b][1] = bf16x2_mul_hi(db[2], scb);
-      f[1][b][2] = bf16x2_mul_hi(da[3], sca);
-      f[1][b][3] = bf16x2_mul_hi(db[3], scb);
-    }
+    for (int b = 0; b < kB; ++b) decode_fragments(wa[b], wb[b], sa[b], sb[b], q, f[0][b], f[1][b]);
   };
   uint32_t frag0[2][kB][4];     // word 0 (decoded ahead, at the end of the previous stage)
   uint32_t frag[2][2][kB][4];   // words 1..3: buffer q & 1

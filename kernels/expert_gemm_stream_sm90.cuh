@@ -279,24 +279,8 @@ __device__ __forceinline__ void mainloop(const Params& p, uint32_t smem_base, co
         const uint32_t stage = ldsm_base + d * kActStageBytes;
 #pragma unroll
         for (int q = 0; q < 4; ++q) {
-          const uint32_t wq_a = sm90gemm::word_of(wa, q);
-          const uint32_t wq_b = sm90gemm::word_of(wb, q);
-          const uint32_t sca = fp4layout::decode_scale_pair(q < 2 ? sa.x : sa.y, q & 1);
-          const uint32_t scb = fp4layout::decode_scale_pair(q < 2 ? sb.x : sb.y, q & 1);
-          uint32_t da[4], db[4];
-          fp4layout::decode_word(wq_a, da);
-          fp4layout::decode_word(wq_b, db);
-          uint32_t f[2][4];
-          // step 2q: a0 = row g cols 2t.., a1 = row g+8, a2 = row g cols 2t+8.., a3 = row g+8 cols 2t+8..
-          f[0][0] = sm90gemm::bf16x2_mul_lo(da[0], sca);
-          f[0][1] = sm90gemm::bf16x2_mul_lo(db[0], scb);
-          f[0][2] = sm90gemm::bf16x2_mul_lo(da[1], sca);
-          f[0][3] = sm90gemm::bf16x2_mul_lo(db[1], scb);
-          // step 2q+1
-          f[1][0] = sm90gemm::bf16x2_mul_hi(da[2], sca);
-          f[1][1] = sm90gemm::bf16x2_mul_hi(db[2], scb);
-          f[1][2] = sm90gemm::bf16x2_mul_hi(da[3], sca);
-          f[1][3] = sm90gemm::bf16x2_mul_hi(db[3], scb);
+          uint32_t f[2][4];  // k16 steps 2q, 2q+1
+          sm90gemm::decode_fragments(wa, wb, sa, sb, q, f[0], f[1]);
 #pragma unroll
           for (int st = 0; st < 2; ++st) {
             const int s = 2 * q + st;  // k16 step of the chunk: 16-byte segments 2s, 2s+1
