@@ -26,7 +26,6 @@ const MoeTactic kWgmma256{GemmKernel::Sm90Wgmma, 256, 1};
 const MoeTactic kStream1{GemmKernel::Sm90Stream, 16, 1};
 const MoeTactic kStream2{GemmKernel::Sm90Stream, 16, 2};
 const MoeTactic kStream4{GemmKernel::Sm90Stream, 16, 4};
-const MoeTactic kStream32{GemmKernel::Sm90Stream, 32, 1};
 const MoeTactic kStream32x1{GemmKernel::Sm90Stream, 32, 1};
 const MoeTactic kStream32x2{GemmKernel::Sm90Stream, 32, 2};
 const MoeTactic kStream32x4{GemmKernel::Sm90Stream, 32, 4};
@@ -116,7 +115,7 @@ TEST(Registry, HeuristicFollowsTokensPerExpert) {
   EXPECT_EQ(heuristic_tactic(ds, 8), kStream1);
   EXPECT_EQ(heuristic_tactic(ds, 4), kStream1);  // 32 experts * 56 = 1792 CTAs
   EXPECT_EQ(heuristic_tactic(ds, 384), kStream1);            // m = 12
-  EXPECT_EQ(heuristic_tactic(ds, 768), kStream32);           // m = 24: 32-token tiles
+  EXPECT_EQ(heuristic_tactic(ds, 768), kStream32x1);           // m = 24: 32-token tiles
   EXPECT_EQ(heuristic_tactic(ds, 769), kWgmma128);           // bucket [769, 896]: m = 28
   EXPECT_EQ(heuristic_tactic(ds, 7168), kWgmma128);          // bucket [6145, 7168]: m = 224
   EXPECT_EQ(heuristic_tactic(ds, 7169), kWgmma256);          // bucket [7169, 8192]: m = 256
@@ -136,8 +135,8 @@ TEST(Registry, HeuristicFollowsTokensPerExpert) {
   // 32-token tiles once the mean rows per expert exceed 12 (T * 8 / 128 > 12: T > 192).
   const MoeProblem mid = problem(128, 4096, 1536, 8);
   EXPECT_EQ(heuristic_tactic(mid, 192), kStream1);
-  EXPECT_EQ(heuristic_tactic(mid, 193), kStream32);  // bucket [193, 224]
-  EXPECT_EQ(heuristic_tactic(mid, 384), kStream32);  // m = 24, still streaming
+  EXPECT_EQ(heuristic_tactic(mid, 193), kStream32x1);  // bucket [193, 224]
+  EXPECT_EQ(heuristic_tactic(mid, 384), kStream32x1);  // m = 24, still streaming
   EXPECT_EQ(heuristic_tactic(mid, 385), kWgmma128);
   // Split K not allowed by the shape: stays split 1.
   EXPECT_EQ(heuristic_tactic(problem(16, 1024, 384, 2), 1), kStream1);
