@@ -37,7 +37,9 @@ inline bool common_args_valid(const ExpertGemmArgs& a) {
   if (pw.num_experts != a.num_experts || pw.rows != a.N || pw.cols != a.K ||
       pw.padded_cols != (a.K + fp4layout::kChunkK - 1) / fp4layout::kChunkK * fp4layout::kChunkK)
     return false;
+  if (a.rows < 0 || a.rows > INT_MAX) return false;
   if (a.max_tiles == 0) return true;  // nothing will be launched
+  if (a.rows == 0) return false;      // tiles but no rows
   if (!a.a || !a.w || !a.w_scale || !a.alpha || !a.expert_offsets || !a.tile_expert || !a.tile_row_start ||
       !a.num_tiles)
     return false;
@@ -47,6 +49,8 @@ inline bool common_args_valid(const ExpertGemmArgs& a) {
 inline sm90gemm::Params common_params(const ExpertGemmArgs& a) {
   sm90gemm::Params p{};
   p.a = a.a;
+  p.rows = static_cast<int>(a.rows);
+  p.num_experts = a.num_experts;
   p.w = a.w;
   p.w_scale = a.w_scale;
   p.alpha = a.alpha;

@@ -3,13 +3,16 @@
 //
 // One CTA computes a tile of 256 weight rows (GEMM1 gated: 128 gate rows + the 128 matching up rows)
 // x 128 token rows (one entry of the tile table) over the whole K:
-//   warpgroup 2     producer (setmaxnreg 56): cp.async of each 128-wide K chunk into a 4-stage ring
-//                     weights [32 row groups][512 B] + scales [32][64 B] (prepacked, 16-byte chunks)
-//                     activations [2 slabs of 64 K][128 tokens][128 B], 128-byte swizzled
-//                   one cp.async group per stage; once stage kt-1's group has landed (stage kt's
-//                   still in flight), fence.proxy.async and an arrive on stage kt-1's `full` mbarrier.
+//   warpgroup 2     producer (setmaxnreg 56): one thread issues the bulk tensor copies (TMA) of each
+//                   128-wide K chunk into a 4-stage ring, all completing on the stage's `full` mbarrier
+//                   (expect_tx of the whole stage; out-of-bounds boxes are zero-filled and counted too):
+//                     activations [2 slabs of 64 K][128 tokens][128 B], 128-byte swizzled (2-D map)
+//                     weights [32 slots][512 B] + scales [32 slots][64 B] (prepacked; 4-D/5-D maps)
+//                   Slot j < 16 holds row group j of the CTA's first half (gate groups when gated),
+//                   slot 16 + j the matching group of its second half (the matching up groups).
 //   warpgroups 0-1  consumers (setmaxnreg 224); warpgroup c, block b (0..1), warp w own the m16 tile
-//                   mt = 8c + 4b + w (rows 16mt.. of the CTA's 256, or gate/up rows 8mt.. of its 128).
+//                   mt = 8c + 4b + w: rows g from slot mt, rows g+8 from slot 16 + mt (CTA-local weight
+//                   rows 8mt + g and 128 + 8mt + g; gated: gate and up of intermediate column 8mt + g).
 //                   Per stage: wait `full`, load 4 x 16 B of weights + 4 x 8 B of scales, then per
 //                   word q (two k16 steps): decode_word + bf16x2 scale multiply -> A fragments,
 //                   one wgmma group (m64nNk16, both blocks). The next stage's loads and word-0
@@ -24,8 +27,9 @@
 //                     GEMM2: fp32 y[row_to_entry[row] * N + n], straight from the registers; with
 //                            top-1 routing the finalized bf16 output instead (finalize fused).
 // Tails: K is padded to 128 in the prepacked weights (zero weights) and the activation columns past K
-// are zero-filled; weight row groups past N and token rows past the tile's end are not loaded (stale
-// shared memory only reaches accumulator rows/columns that are never written).
+// are zero-filled by the copy; weight row groups past N are zero-filled; token rows past the tile's
+// valid rows (the next expert's rows, or zeros past the last row) only reach accumulator columns that
+// are never written.
 //
 // Fragment shapes (PTX ISA wgmma .m64nNk16, A from registers, .bf16, f32 accumulators):
 //   A  64x16 per warpgroup: warp w holds rows 16w..16w+15 in the m16n8k16 A layout (see layout header)
@@ -34,6 +38,7 @@
 //      and d[4j+2..3] = row 16w+g+8, same cols.
 #pragma once
 
+#include <cuda.h>  // CUtensorMap
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -77,7 +82,7 @@ struct TileConfig {
   static constexpr int kActBytes = 2 * kSlabBytes;
   static constexpr int kWeightBytes = kSlots * fp4layout::kChunkBytes;
   static constexpr int kScaleBytes = kSlots * fp4layout::kChunkScaleBytes;
-  static constexpr int kStageBytes = kActBytes + kWeightBytes + kScaleBytes;  // 50 / 73 KiB
+  static constexpr int kStageBytes = kActBytes + kWeightBytes + kScaleBytes;  // 50 / 73 KiB, one expect_tx
   static constexpr int kStagingStride = kTileRows + 8;  // floats per staging row (float2 stores conflict-free)
   static constexpr int kBarrierOffset = kStages * kStageBytes;
   static constexpr int kTokenEntryOffset = kBarrierOffset + 2 * kStages * 8;
@@ -95,6 +100,8 @@ enum class Epilogue : int { Gemm1Gated = 0, Gemm1Plain = 1, Gemm2 = 2 };
 
 struct Params {
   const __nv_bfloat16* a;          // [rows, K]
+  int rows;                        // rows of a (the bound of the activation copies)
+  int num_experts;                 // E
   const uint8_t* w;                // prepacked
   const uint8_t* w_scale;          // prepacked
   const float* alpha;              // [E]
@@ -141,6 +148,44 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
 }
 __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+
+// ---- bulk tensor copies (TMA) -----------------------------------------------------------------------
+// The maps of one launch (encoded on the host, expert_gemm.cu), passed as a __grid_constant__ parameter.
+struct TmaMaps {
+  CUtensorMap act;    // a [rows][K] bf16, box [tile rows][64], 128-byte swizzle
+  CUtensorMap w;      // prepacked weights: gated (5-D) [E][2 halves][N/16 groups][chunks][512 B],
+                      //   else (4-D) [E][N/8 groups][chunks][512 B]; box = the CTA's slots of one chunk
+  CUtensorMap scale;  // the same over the prepacked scales (64 B per group and chunk)
+};
+__device__ __forceinline__ void tma_prefetch(const CUtensorMap* map) {
+  asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
+}
+__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, uint32_t bar, int c0, int c1) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];" ::"r"(
+          dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1)
+      : "memory");
+}
+__device__ __forceinline__ void tma_load_4d(uint32_t dst, const CUtensorMap* map, uint32_t bar, int c0, int c1, int c2,
+                                            int c3) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6}], "
+      "[%2];" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+      : "memory");
+}
+__device__ __forceinline__ void tma_load_5d(uint32_t dst, const CUtensorMap* map, uint32_t bar, int c0, int c1, int c2,
+                                            int c3, int c4) {
+  asm volatile(
+      "cp.async.bulk.tensor.5d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6, %7}], "
+      "[%2];" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4)
+      : "memory");
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int N>
@@ -361,11 +406,12 @@ __device__ __forceinline__ void consumer_mainloop(const Params& p, uint8_t* smem
     const uint32_t ssm = wsm + C::kWeightBytes;
 #pragma unroll
     for (int b = 0; b < kB; ++b) {
-      const int mt = wg * 4 * kB + b * 4 + warp;  // rows g from slot 2mt, rows g+8 from slot 2mt+1
-      wa[b] = lds128(wsm + (2 * mt) * fp4layout::kChunkBytes + lane * 16);
-      wb[b] = lds128(wsm + (2 * mt + 1) * fp4layout::kChunkBytes + lane * 16);
-      sa[b] = lds64(ssm + (2 * mt) * fp4layout::kChunkScaleBytes + g * 8);
-      sb[b] = lds64(ssm + (2 * mt + 1) * fp4layout::kChunkScaleBytes + g * 8);
+      const int mt = wg * 4 * kB + b * 4 + warp;  // rows g from slot mt, rows g+8 from slot kSlots/2 + mt
+      constexpr int kHalf = C::kSlots / 2;
+      wa[b] = lds128(wsm + mt * fp4layout::kChunkBytes + lane * 16);
+      wb[b] = lds128(wsm + (kHalf + mt) * fp4layout::kChunkBytes + lane * 16);
+      sa[b] = lds64(ssm + mt * fp4layout::kChunkScaleBytes + g * 8);
+      sb[b] = lds64(ssm + (kHalf + mt) * fp4layout::kChunkScaleBytes + g * 8);
     }
   };
   // Fragments of word q: f[k16 step of the pair][block][register].
@@ -431,68 +477,42 @@ __device__ __forceinline__ void consumer_mainloop(const Params& p, uint8_t* smem
     for (int i = 0; i < C::kAcc; ++i) fence_operand(acc[b][i]);
 }
 
-// Producer (one warpgroup, pt = 0..127): cp.async of every K chunk into the ring.
+// Producer (one thread of the producer warpgroup): the bulk tensor copies of every K chunk into the
+// ring. Stage s of chunk kt: wait until the consumers released it (chunk kt - kStages), announce the
+// stage's bytes on full[s], then 2 activation slabs + the weight and scale slots of the chunk.
+// NOTE: one thread issues ~4 copies per stage; the cp.async producer it replaces issued ~700
+// instructions per warp and chunk (address arithmetic per 16 bytes) and paced the consumers.
 template <class C>
-__device__ __forceinline__ void producer(const Params& p, uint8_t* smem, uint32_t bar_base, int expert,
-                                         int ntile, int64_t row_start, int valid_rows) {
+__device__ __forceinline__ void producer(const Params& p, const TmaMaps& maps, uint8_t* smem, uint32_t bar_base,
+                                         int expert, int ntile, int row_start) {
   constexpr int kStages = C::kStages, kSlots = C::kSlots;
-  const int pt = threadIdx.x - kConsumerThreads;
   const bool gated = p.epilogue == Epilogue::Gemm1Gated;
-  const int half_groups = p.groups / 2;
-  const int64_t row_groups = p.groups;
-  const uint8_t* w_expert = p.w + static_cast<int64_t>(expert) * row_groups * p.chunks * fp4layout::kChunkBytes;
-  const uint8_t* s_expert =
-      p.w_scale + static_cast<int64_t>(expert) * row_groups * p.chunks * fp4layout::kChunkScaleBytes;
-  // Row group of slot `slot` (0..31), or -1 when it lies past N (not loaded).
-  auto slot_group = [&](int slot) -> int {
-    if (gated) {  // slot 2mt: gate rows 8(16*ntile+mt)..; slot 2mt+1: the matching up rows
-      const int ig = ntile * (kSlots / 2) + slot / 2;
-      if (ig >= half_groups) return -1;
-      return (slot & 1) ? half_groups + ig : ig;
-    }
-    const int grp = ntile * kSlots + slot;
-    return grp < p.groups ? grp : -1;
-  };
-  const int cc = pt % 16;  // 16-byte column chunk of an activation row (8 bf16)
+  tma_prefetch(&maps.act);
+  tma_prefetch(&maps.w);
+  tma_prefetch(&maps.scale);
+  int s = 0, phase = 0;  // stage of chunk kt, and the parity of its `empty` barrier's next completion
   for (int kt = 0; kt < p.chunks; ++kt) {
-    const int s = kt % kStages;
-    if (kt >= kStages) mbar_wait(bar_base + 8 * (kStages + s), ((kt / kStages) - 1) & 1);
-    const uint32_t act_base = smem_addr(smem) + s * C::kStageBytes;
-    const uint32_t w_base = act_base + C::kActBytes;
-    const uint32_t s_base = w_base + C::kWeightBytes;
-#pragma unroll 1
-    for (int i = 0; i < kSlots * 32 / kProducerThreads; ++i) {  // weights: kSlots x 32 x 16 B
-      const int c = pt + kProducerThreads * i, slot = c / 32, part = c % 32;
-      const int grp = slot_group(slot);
-      if (grp < 0) continue;
-      const uint8_t* src = w_expert + (static_cast<int64_t>(grp) * p.chunks + kt) * fp4layout::kChunkBytes;
-      cp_async16(w_base + slot * fp4layout::kChunkBytes + part * 16, src + part * 16, 16);
+    if (kt >= kStages) mbar_wait(bar_base + 8 * (kStages + s), phase);
+    const uint32_t full = bar_base + 8 * s;
+    const uint32_t act_base = smem_addr(smem) + s * C::kStageBytes;  // (2 slabs, tile rows, 128 B)
+    const uint32_t w_base = act_base + C::kActBytes;                 // (kSlots, 512 B)
+    const uint32_t s_base = w_base + C::kWeightBytes;                // (kSlots, 64 B)
+    mbar_arrive_expect_tx(full, C::kStageBytes);
+    const int kcol = kt * fp4layout::kChunkK;
+    tma_load_2d(act_base, &maps.act, full, kcol, row_start);
+    tma_load_2d(act_base + C::kSlabBytes, &maps.act, full, kcol + 64, row_start);
+    if (gated) {  // (expert, half, group pair, chunk): slots [gate groups][up groups]
+      tma_load_5d(w_base, &maps.w, full, 0, kt, ntile * (kSlots / 2), 0, expert);
+      tma_load_5d(s_base, &maps.scale, full, 0, kt, ntile * (kSlots / 2), 0, expert);
+    } else {  // (expert, group, chunk): kSlots consecutive groups
+      tma_load_4d(w_base, &maps.w, full, 0, kt, ntile * kSlots, expert);
+      tma_load_4d(s_base, &maps.scale, full, 0, kt, ntile * kSlots, expert);
     }
-    if (pt < kSlots * 4) {  // scales: kSlots x 4 x 16 B
-      const int slot = pt / 4, part = pt % 4;
-      const int grp = slot_group(slot);
-      if (grp >= 0) {
-        const uint8_t* src = s_expert + (static_cast<int64_t>(grp) * p.chunks + kt) * fp4layout::kChunkScaleBytes;
-        cp_async16(s_base + slot * fp4layout::kChunkScaleBytes + part * 16, src + part * 16, 16);
-      }
-    }
-    const int kcol = kt * fp4layout::kChunkK + cc * 8;
-    const bool kvalid = kcol < p.K;  // K % 16 == 0, so a chunk is wholly inside or outside
-    for (int r = pt / 16; r < valid_rows; r += kProducerThreads / 16) {
-      const __nv_bfloat16* src = p.a + (row_start + r) * static_cast<int64_t>(p.K) + (kvalid ? kcol : 0);
-      const uint32_t dst = act_base + (cc / 8) * C::kSlabBytes + r * 128 + (((cc % 8) ^ (r % 8)) << 4);
-      cp_async16(dst, src, kvalid ? 16u : 0u);
-    }
-    cp_async_commit();
-    if (kt >= 1) {  // stage kt-1 has landed (stage kt's copies stay in flight): fence, then publish it
-      cp_async_wait<1>();
-      fence_proxy_async();
-      mbar_arrive(bar_base + 8 * ((kt - 1) % kStages));
+    if (++s == kStages) {
+      s = 0;
+      if (kt >= kStages) phase ^= 1;
     }
   }
-  cp_async_wait<0>();
-  fence_proxy_async();
-  mbar_arrive(bar_base + 8 * ((p.chunks - 1) % kStages));
 }
 
 // ---- epilogue helpers -----------------------------------------------------------------------------
@@ -614,7 +634,8 @@ __device__ __forceinline__ void gemm1_epilogue(const Params& p, const float* stg
 // header for its helpers with FP4MOE_SM90GEMM_HELPERS_ONLY defined (one definition of the kernel).
 #if !defined(FP4MOE_SM90GEMM_HELPERS_ONLY)
 template <int TileTokens>
-__global__ void __launch_bounds__(kThreads, 1) expert_gemm_kernel(const Params p) {
+__global__ void __launch_bounds__(kThreads, 1)
+    expert_gemm_kernel(const __grid_constant__ Params p, const __grid_constant__ TmaMaps maps) {
   using C = TileConfig<TileTokens>;
   constexpr int kTileRows = C::kTileRows, kBlockN = C::kBlockN, kStages = C::kStages, kB = C::kBlocks;
   constexpr int kStagingStride = C::kStagingStride;
@@ -641,15 +662,16 @@ __global__ void __launch_bounds__(kThreads, 1) expert_gemm_kernel(const Params p
   int32_t* tok_entry = reinterpret_cast<int32_t*>(smem + C::kTokenEntryOffset);
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
-      mbar_init(bar_base + 8 * s, kProducerThreads);                  // the producer threads' arrivals
+      mbar_init(bar_base + 8 * s, 1);                                 // the producer's expect_tx arrival
       mbar_init(bar_base + 8 * (kStages + s), kConsumerThreads);      // every consumer thread
     }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");  // visible to the async proxy
   }
   __syncthreads();
 
   if (threadIdx.x >= kConsumerThreads) {
     setmaxnreg_dec<kProducerRegs>();
-    producer<C>(p, smem, bar_base, expert, ntile, row_start, valid_rows);
+    if (threadIdx.x == kConsumerThreads) producer<C>(p, maps, smem, bar_base, expert, ntile, static_cast<int>(row_start));
     return;
   }
   setmaxnreg_inc<kConsumerRegs>();
@@ -685,13 +707,13 @@ __global__ void __launch_bounds__(kThreads, 1) expert_gemm_kernel(const Params p
 #pragma unroll
     for (int b = 0; b < kB; ++b) {
       const int mt = wg * 4 * kB + b * 4 + warp;
-      const int n_lo = ntile * kBlockN + 16 * mt + g;
+      const int n_lo = ntile * kBlockN + 8 * mt + g;  // rows g; rows g+8 are kBlockN / 2 further
 #pragma unroll
       for (int j = 0; j < kTileRows / 8; ++j) {
         if (j >= jmax) break;
 #pragma unroll
         for (int r = 0; r < 4; ++r) {
-          const int n = n_lo + (r >= 2 ? 8 : 0);
+          const int n = n_lo + (r >= 2 ? kBlockN / 2 : 0);
           const int tok = 8 * j + 2 * t + (r & 1);
           if (tok < valid_rows && n < p.N) {
             const int64_t entry = tok_entry[tok];
@@ -709,15 +731,16 @@ __global__ void __launch_bounds__(kThreads, 1) expert_gemm_kernel(const Params p
     return;
   }
 
-  // GEMM1: h = alpha * acc into the staging tile stg[row][token] (fp32; gated: gate i at row i, up i
-  // at row 128 + i; relu2: weight row n at row n), then per (token, 16 columns) the activation.
+  // GEMM1: h = alpha * acc into the staging tile stg[row][token] (fp32; staging row = CTA-local weight
+  // row: gated, gate i at row i and up i at row kBlockN/2 + i; relu2, weight row n at row n), then per
+  // (token, 16 columns) the activation.
   float* stg = reinterpret_cast<float*>(smem);
   const bool gated = p.epilogue == Epilogue::Gemm1Gated;
 #pragma unroll
   for (int b = 0; b < kB; ++b) {
     const int mt = wg * 4 * kB + b * 4 + warp;
-    const int row_g = gated ? 8 * mt + g : 16 * mt + g;            // rows g of the m16 tile
-    const int row_g8 = gated ? kBlockN / 2 + 8 * mt + g : 16 * mt + g + 8;  // rows g+8
+    const int row_g = 8 * mt + g;                 // rows g of the m16 tile (slot mt)
+    const int row_g8 = kBlockN / 2 + 8 * mt + g;  // rows g+8 (slot kSlots/2 + mt)
 #pragma unroll
     for (int j = 0; j < kTileRows / 8; ++j) {
       if (j >= jmax) break;

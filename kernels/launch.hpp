@@ -121,7 +121,8 @@ PrepackedWeights prepack_expert_weights(const uint8_t* w, const uint8_t* w_scale
 
 // Shared by GEMM1 and GEMM2: rows of expert e are [expert_offsets[e], expert_offsets[e+1]).
 struct ExpertGemmArgs {
-  const __nv_bfloat16* a = nullptr;       // [T*k, K] permuted activations (exact bf16 values)
+  const __nv_bfloat16* a = nullptr;       // [rows, K] permuted activations (exact bf16 values)
+  int64_t rows = 0;                       // rows of a (T*k): the bound of the wgmma kernel's copies
   const uint8_t* w = nullptr;             // prepacked weights (PrepackedWeights::weight_bytes)
   const uint8_t* w_scale = nullptr;       // prepacked scales (PrepackedWeights::scale_bytes)
   PrepackedWeights weights;               // what w / w_scale hold (checked against E, N, K)

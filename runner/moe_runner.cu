@@ -388,6 +388,7 @@ Status GpuMoeRunner::run(cudaStream_t stream, const ForwardArgs& a, bool routed,
     x.num_experts = E;
     x.K = K;
     x.N = N;
+    x.rows = entries;
     x.tactic = tactic;
   };
   kernels::Gemm1Args g1;

@@ -191,11 +191,22 @@ struct GemmKernelUnderTest {
   cudaError_t (*gemm1)(const kernels::Gemm1Args&, int tile_rows, int split_k, cudaStream_t);
   cudaError_t (*gemm2)(const kernels::Gemm2Args&, int tile_rows, int split_k, cudaStream_t);
 };
-GemmKernelUnderTest wgmma_kernel() {
-  return {"sm90_wgmma", kernels::gemm_tile_rows(), 1,
-          [](const kernels::Gemm1Args& a, int, int, cudaStream_t s) { return kernels::launch_gemm1_act(a, s); },
-          [](const kernels::Gemm2Args& a, int, int, cudaStream_t s) { return kernels::launch_gemm2(a, s); }};
+// The wgmma kernel through launch_gemm1_act / launch_gemm2, with the tactic of its tile size.
+GemmKernelUnderTest wgmma_kernel(int tile_rows = kernels::gemm_tile_rows()) {
+  return {"sm90_wgmma/t" + std::to_string(tile_rows), tile_rows, 1,
+          [](const kernels::Gemm1Args& a, int tile, int, cudaStream_t s) {
+            kernels::Gemm1Args b = a;
+            b.tactic = {GemmKernel::Sm90Wgmma, tile, 1};
+            return kernels::launch_gemm1_act(b, s);
+          },
+          [](const kernels::Gemm2Args& a, int tile, int, cudaStream_t s) {
+            kernels::Gemm2Args b = a;
+            b.tactic = {GemmKernel::Sm90Wgmma, tile, 1};
+            return kernels::launch_gemm2(b, s);
+          }};
 }
+// Both tile shapes of the wgmma kernel (128 and 256 token rows).
+std::vector<GemmKernelUnderTest> wgmma_kernels() { return {wgmma_kernel(128), wgmma_kernel(256)}; }
 GemmKernelUnderTest stream_kernel(int split_k, int tile_rows = 16) {
   return {"sm90_stream/t" + std::to_string(tile_rows) + "/s" + std::to_string(split_k), tile_rows, split_k,
           kernels::launch_gemm1_act_stream, kernels::launch_gemm2_stream};
@@ -307,6 +318,7 @@ void upload_routing(const Routing& rt, DeviceRouting& d) {
 void fill_common(kernels::ExpertGemmArgs& g, const DeviceWeights& dw, const DeviceRouting& dr, const Routing& rt,
                  const __nv_bfloat16* a, const float* alpha, int64_t E, int64_t N, int64_t K) {
   g.a = a;
+  g.rows = rt.rows;
   g.w = dw.w.get();
   g.w_scale = dw.s.get();
   g.weights = dw.info;
@@ -548,55 +560,73 @@ const std::vector<int64_t> kRagged16 = {0, 1, 9, 17, 33, 63, 64, 65, 127, 128, 1
 
 TEST(ExpertGemmKernel, Gemm1TinySwiglu) {
   FP4MOE_REQUIRE_SM90();
-  run_gemm1({"tiny", 1, 32, 16, {1}, act_of(Activation::SwiGLU), ActQuant::W4A16, 11});
-  run_gemm1({"tiny-w4a4", 2, 64, 32, {3, 0}, act_of(Activation::SwiGLU), ActQuant::W4A4Scalar, 12});
+  for (const auto& k : wgmma_kernels()) {
+    run_gemm1({"tiny", 1, 32, 16, {1}, act_of(Activation::SwiGLU), ActQuant::W4A16, 11}, k);
+    run_gemm1({"tiny-w4a4", 2, 64, 32, {3, 0}, act_of(Activation::SwiGLU), ActQuant::W4A4Scalar, 12}, k);
+  }
 }
 
 TEST(ExpertGemmKernel, Gemm2Tiny) {
   FP4MOE_REQUIRE_SM90();
-  run_gemm2({"tiny", 1, 32, 16, {1}, act_of(Activation::SwiGLU), ActQuant::W4A16, 13});
-  run_gemm2({"tiny-2", 2, 48, 96, {0, 7}, act_of(Activation::SwiGLU), ActQuant::W4A16, 14});
+  for (const auto& k : wgmma_kernels()) {
+    run_gemm2({"tiny", 1, 32, 16, {1}, act_of(Activation::SwiGLU), ActQuant::W4A16, 13}, k);
+    run_gemm2({"tiny-2", 2, 48, 96, {0, 7}, act_of(Activation::SwiGLU), ActQuant::W4A16, 14}, k);
+  }
 }
 
 TEST(ExpertGemmKernel, Gemm1GptOssShapes) {  // K = 2880 (chunk tail), I = 96 (< 128 columns per CTA)
   FP4MOE_REQUIRE_SM90();
-  ActivationParams oai = act_of(Activation::SwiGLUOai);
-  run_gemm1({"oai-w4a16", 4, 2880, 96, {0, 1, 63, 65}, oai, ActQuant::W4A16, 21});
-  run_gemm1({"oai-w4a4", 4, 2880, 96, {2, 64, 0, 17}, oai, ActQuant::W4A4PerExpert, 22});
+  const ActivationParams oai = act_of(Activation::SwiGLUOai);
+  for (const auto& k : wgmma_kernels()) {
+    run_gemm1({"oai-w4a16", 4, 2880, 96, {0, 1, 63, 65}, oai, ActQuant::W4A16, 21}, k);
+    run_gemm1({"oai-w4a4", 4, 2880, 96, {2, 64, 0, 17}, oai, ActQuant::W4A4PerExpert, 22}, k);
+  }
 }
 
 TEST(ExpertGemmKernel, Gemm2GptOssShapes) {  // K = 96 (padded to 128), N = 2880 (partial CTA)
   FP4MOE_REQUIRE_SM90();
-  run_gemm2({"oai", 4, 2880, 96, {0, 1, 63, 65}, act_of(Activation::SwiGLU), ActQuant::W4A16, 23});
+  for (const auto& k : wgmma_kernels()) {
+    run_gemm2({"oai", 4, 2880, 96, {0, 1, 63, 65}, act_of(Activation::SwiGLU), ActQuant::W4A16, 23}, k);
+  }
 }
 
 TEST(ExpertGemmKernel, Gemm1RaggedExperts) {
   FP4MOE_REQUIRE_SM90();
-  run_gemm1({"swiglu-w4a16", 16, 256, 128, kRagged16, act_of(Activation::SwiGLU), ActQuant::W4A16, 31});
-  run_gemm1({"geglu-w4a4", 16, 256, 144, kRagged16, act_of(Activation::GeGLU), ActQuant::W4A4Scalar, 32});
+  for (const auto& k : wgmma_kernels()) {
+    run_gemm1({"swiglu-w4a16", 16, 256, 128, kRagged16, act_of(Activation::SwiGLU), ActQuant::W4A16, 31}, k);
+    run_gemm1({"geglu-w4a4", 16, 256, 144, kRagged16, act_of(Activation::GeGLU), ActQuant::W4A4Scalar, 32}, k);
+  }
 }
 
 TEST(ExpertGemmKernel, Gemm2RaggedExperts) {
   FP4MOE_REQUIRE_SM90();
-  run_gemm2({"ragged", 16, 272, 256, kRagged16, act_of(Activation::SwiGLU), ActQuant::W4A16, 33});
+  for (const auto& k : wgmma_kernels()) {
+    run_gemm2({"ragged", 16, 272, 256, kRagged16, act_of(Activation::SwiGLU), ActQuant::W4A16, 33}, k);
+  }
 }
 
 TEST(ExpertGemmKernel, Gemm1Relu2) {  // not gated: w13 has I rows, N = I = 320 (partial second CTA)
   FP4MOE_REQUIRE_SM90();
-  run_gemm1({"relu2-w4a16", 4, 384, 320, {70, 0, 1, 130}, act_of(Activation::Relu2), ActQuant::W4A16, 41});
-  run_gemm1({"relu2-w4a4", 4, 384, 320, {70, 0, 1, 130}, act_of(Activation::Relu2), ActQuant::W4A4PerExpert, 42});
+  for (const auto& k : wgmma_kernels()) {
+    run_gemm1({"relu2-w4a16", 4, 384, 320, {70, 0, 1, 130}, act_of(Activation::Relu2), ActQuant::W4A16, 41}, k);
+    run_gemm1({"relu2-w4a4", 4, 384, 320, {70, 0, 1, 130}, act_of(Activation::Relu2), ActQuant::W4A4PerExpert, 42}, k);
+  }
 }
 
 TEST(ExpertGemmKernel, LargerShapes) {  // deeper K, several CTAs along N, one expert with every row
   FP4MOE_REQUIRE_SM90();
-  run_gemm1({"deep", 2, 2048, 384, {300, 129}, act_of(Activation::SwiGLU), ActQuant::W4A16, 51});
-  run_gemm2({"deep", 2, 1024, 1536, {300, 129}, act_of(Activation::SwiGLU), ActQuant::W4A16, 52});
+  for (const auto& k : wgmma_kernels()) {
+    run_gemm1({"deep", 2, 2048, 384, {300, 129}, act_of(Activation::SwiGLU), ActQuant::W4A16, 51}, k);
+    run_gemm2({"deep", 2, 1024, 1536, {300, 129}, act_of(Activation::SwiGLU), ActQuant::W4A16, 52}, k);
+  }
 }
 
 TEST(ExpertGemmKernel, NoRowsLaunchesNothing) {
   FP4MOE_REQUIRE_SM90();
-  run_gemm1({"empty", 4, 64, 32, {0, 0, 0, 0}, act_of(Activation::SwiGLU), ActQuant::W4A16, 61});
-  run_gemm2({"empty", 4, 64, 32, {0, 0, 0, 0}, act_of(Activation::SwiGLU), ActQuant::W4A16, 62});
+  for (const auto& k : wgmma_kernels()) {
+    run_gemm1({"empty", 4, 64, 32, {0, 0, 0, 0}, act_of(Activation::SwiGLU), ActQuant::W4A16, 61}, k);
+    run_gemm2({"empty", 4, 64, 32, {0, 0, 0, 0}, act_of(Activation::SwiGLU), ActQuant::W4A16, 62}, k);
+  }
 }
 
 // Valid GEMM arguments on tiny buffers (1 expert, N = 32, K = 64) for the argument checks; `tactic`
@@ -612,6 +642,7 @@ struct BadArgsSetup {
   }
   void base(kernels::ExpertGemmArgs& g, const MoeTactic& tactic) const {
     g.a = reinterpret_cast<const __nv_bfloat16*>(a.get());
+    g.rows = 1;
     g.w = dw.w.get();
     g.w_scale = dw.s.get();
     g.weights = dw.info;
@@ -653,6 +684,9 @@ void expect_common_rejections(const BadArgsSetup& s, const MoeTactic& tactic) {
   EXPECT_EQ(kernels::launch_gemm2(bad, nullptr), cudaErrorInvalidValue);
   bad = g2;
   bad.y = nullptr;
+  EXPECT_EQ(kernels::launch_gemm2(bad, nullptr), cudaErrorInvalidValue);
+  bad = g2;
+  bad.rows = 0;  // tiles but no activation rows
   EXPECT_EQ(kernels::launch_gemm2(bad, nullptr), cudaErrorInvalidValue);
   bad = g2;
   bad.a = reinterpret_cast<const __nv_bfloat16*>(reinterpret_cast<const char*>(s.a.get()) + 2);  // misaligned
