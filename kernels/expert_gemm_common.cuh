@@ -89,7 +89,7 @@ inline bool gemm1_params(const Gemm1Args& args, sm90gemm::Params& p) {
 // GEMM2's checks and kernel parameters (both kernels): false on an invalid argument.
 inline bool gemm2_params(const Gemm2Args& args, sm90gemm::Params& p) {
   if (!common_args_valid(args)) return false;
-  if (args.max_tiles > 0 && (!args.row_to_entry || (!args.y && !args.out) || (args.y && !aligned(args.y, 4))))
+  if (args.max_tiles > 0 && (!args.row_to_entry || (!args.y && !args.out) || (args.y && !aligned(args.y, 16))))
     return false;
   p = common_params(args);
   p.epilogue = sm90gemm::Epilogue::Gemm2;

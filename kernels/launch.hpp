@@ -162,7 +162,7 @@ cudaError_t launch_gemm1_act(const Gemm1Args& args, cudaStream_t stream);
 
 struct Gemm2Args : ExpertGemmArgs {
   const int32_t* row_to_entry = nullptr;  // [T*k]
-  float* y = nullptr;                     // [T*k, H], indexed by entry
+  float* y = nullptr;                     // [T*k, H], indexed by entry, 16-byte aligned
   // Top-1 routing (k == 1) may fuse finalize: with `out` set, the GEMM writes out[t] = bf16(0 + w[t] * y[t])
   // (finalize's arithmetic; w = 1 when out_weights is null) and y is not written.
   __nv_bfloat16* out = nullptr;           // [T, H] or nullptr
