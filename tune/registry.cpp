@@ -84,7 +84,12 @@ MoeTactic heuristic_tactic(const MoeProblem& p, int64_t T) {
   const int64_t k = p.top_k(), E = std::max<int64_t>(p.num_experts, 1);
   // m = R * k / E tokens per expert; compared without division. R <= 2^21 and k <= 32: no overflow.
   const int64_t routed = R * k;
-  if (routed <= 24 * E) {
+  // NOTE: below 16 tokens per expert the streaming kernel; from 16 the wgmma kernel (since its TMA
+  // producer, 2026-12-01): at m = 16, wgmma/t128 against stream/t32 (w4a16, H200) deepseek-r1 T = 512
+  // 1750 vs 2292 us, gpt-oss-120b T = 512 754 vs 767, qwen3-235b-a22b T = 256 572 vs 600, qwen3-30b-a3b
+  // T = 256 202 vs 203, llama4-scout T = 256 511 vs 466 (the one loss); at m = 12..14 the streaming
+  // kernel wins on gpt-oss-120b (684-728 vs 729-745 us) and loses on deepseek-r1 (docs/perf.md).
+  if (routed < 16 * E) {
     // Streaming kernel. Rules fitted to the decode tuning of 2026-12-01 on an H200 (docs/perf.md,
     // "decode heuristic"), for which they pick the tuned tactic or one within ~3% of it:
     //   split K: the GEMM with fewer CTAs (128 output rows each) decides. Split by the largest s in

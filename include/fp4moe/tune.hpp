@@ -66,7 +66,7 @@ inline bool tactic_valid(const MoeProblem& problem, const MoeTactic& tactic) {
 }
 // The tactic without profiling, for the bucket of T (it depends on T only through the bucket's
 // representative R). With m = R * k / E (expected tokens per expert):
-//   m <= 24:   sm90_stream; tile_tokens 32 when m > 12, else 16; split_k the largest of 4, 2 that is
+//   m < 16:    sm90_stream; tile_tokens 32 when m > 12, else 16; split_k the largest of 4, 2 that is
 //              valid, keeps experts_hit * ceil(min(w13 rows, H) / 128) * split_k <= 5 * 132 CTAs
 //              (experts_hit = min(E, R * k)) and leaves >= 10 chunks of 128 per split in both
 //              GEMMs, else 1;

@@ -115,8 +115,9 @@ TEST(Registry, HeuristicFollowsTokensPerExpert) {
   EXPECT_EQ(heuristic_tactic(ds, 8), kStream1);
   EXPECT_EQ(heuristic_tactic(ds, 4), kStream1);  // 32 experts * 56 = 1792 CTAs
   EXPECT_EQ(heuristic_tactic(ds, 384), kStream1);            // m = 12
-  EXPECT_EQ(heuristic_tactic(ds, 768), kStream32x1);           // m = 24: 32-token tiles
-  EXPECT_EQ(heuristic_tactic(ds, 769), kWgmma128);           // bucket [769, 896]: m = 28
+  EXPECT_EQ(heuristic_tactic(ds, 480), kStream32x1);         // bucket [449, 480]: m = 15, 32-token tiles
+  EXPECT_EQ(heuristic_tactic(ds, 481), kWgmma128);           // bucket [481, 512]: m = 16
+  EXPECT_EQ(heuristic_tactic(ds, 768), kWgmma128);           // m = 24
   EXPECT_EQ(heuristic_tactic(ds, 7168), kWgmma128);          // bucket [6145, 7168]: m = 224
   EXPECT_EQ(heuristic_tactic(ds, 7169), kWgmma256);          // bucket [7169, 8192]: m = 256
   EXPECT_EQ(heuristic_tactic(ds, int64_t(1) << 40), kWgmma256);
@@ -136,8 +137,8 @@ TEST(Registry, HeuristicFollowsTokensPerExpert) {
   const MoeProblem mid = problem(128, 4096, 1536, 8);
   EXPECT_EQ(heuristic_tactic(mid, 192), kStream1);
   EXPECT_EQ(heuristic_tactic(mid, 193), kStream32x1);  // bucket [193, 224]
-  EXPECT_EQ(heuristic_tactic(mid, 384), kStream32x1);  // m = 24, still streaming
-  EXPECT_EQ(heuristic_tactic(mid, 385), kWgmma128);
+  EXPECT_EQ(heuristic_tactic(mid, 224), kStream32x1);  // m = 14, still streaming
+  EXPECT_EQ(heuristic_tactic(mid, 225), kWgmma128);    // bucket [225, 256]: m = 16
   // Split K not allowed by the shape: stays split 1.
   EXPECT_EQ(heuristic_tactic(problem(16, 1024, 384, 2), 1), kStream1);
   expect_error([&] { heuristic_tactic(ds, -1); }, "token count T must be >= 0");
