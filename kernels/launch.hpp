@@ -6,7 +6,7 @@
 //   route_topk            logits [T,E] (f32|bf16), bias [E]     -> topk_ids [T,k] i32, topk_weights [T,k] f32
 //   permute_build         topk_ids [T,k]                        -> expert_offsets [E+1], row_to_entry [T*k],
 //                                                                  entry_to_row [T*k], GEMM tile table
-//   gather_quantize       hidden [T,H] bf16, row_to_entry       -> a1 [T*k,H] bf16 (GEMM1 A operand values:
+//   gather_quantize       hidden [T,H] bf16, entry_to_row       -> a1 [T*k,H] bf16 (GEMM1 A operand values:
 //                                                                  x for w4a16, q*sf for w4a4)
 //   gemm1_act             a1, w13 fp4 + e4m3, alpha1 [E]        -> act [T*k,I] bf16 (bf16(act) for w4a16,
 //                                                                  q*sf of its NVFP4 re-quantization for w4a4)
@@ -77,13 +77,13 @@ cudaError_t launch_quantize_nvfp4(const __nv_bfloat16* x, int64_t rows, int64_t 
                                   const float* input_scale, uint8_t* packed, uint8_t* scales,
                                   ScaleLayout layout, cudaStream_t stream);
 
-// GEMM1 A operand, permuted: a1[r] = values of token t = row_to_entry[r] / k.
+// GEMM1 A operand, permuted: a1[entry_to_row[t*k + j]] = values of token t (j = 0..k-1).
 //   w4a16:            bf16 x[t] (times bf16(w) first when scale_by_weight)
 //   w4a4_scalar:      q*sf of NVFP4(x[t], input_scale[0])
 //   w4a4_per_expert:  q*sf of NVFP4(x[t], input_scale[e]) with e the row's expert
 struct GatherArgs {
   const __nv_bfloat16* hidden = nullptr;  // [T, H]
-  const int32_t* row_to_entry = nullptr;  // [T*k]
+  const int32_t* entry_to_row = nullptr;  // [T*k] (from launch_permute)
   const int32_t* topk_ids = nullptr;      // [T, k] (the row's expert)
   const float* topk_weights = nullptr;    // [T, k] (scale_by_weight)
   const float* input_scale = nullptr;     // [1] scalar mode, [E] per-expert mode, unused in w4a16

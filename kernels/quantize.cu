@@ -7,11 +7,14 @@
 // the padded [ceil(rows/128)*128, ceil(cols/16/4)*4] scale matrix, and the threads of padding
 // positions write a zero scale byte.
 //
-// gather_quantize_kernel: one thread per (permuted row r, 16-element block). entry = row_to_entry[r],
-// token t = entry / k; x = hidden[t] (times bf16(w[entry]) rounded to bf16 when scale_by_weight);
-// w4a16 writes x, w4a4 writes the q*sf values of NVFP4(x) with input_scale[0] (scalar mode) or
-// input_scale[topk_ids[entry]] (per-expert mode) — q*sf is exact in bf16. Rows whose expert id is out
-// of range take a NaN scale in per-expert mode (the token is poisoned; memory stays safe).
+// gather_quantize_kernel: one CTA per token t, one thread per 16-element block of its row: x = hidden[t]
+// is read once and written to the k permuted rows entry_to_row[t*k + j]. w4a16 writes x (times
+// bf16(w[entry]) rounded to bf16 when scale_by_weight), w4a4 the q*sf values of NVFP4(x) with
+// input_scale[0] (scalar mode: quantized once for the k copies) or input_scale[topk_ids[entry]]
+// (per-expert mode: quantized per copy) — q*sf is exact in bf16. Entries whose expert id is out of
+// range take a NaN scale in per-expert mode (the token is poisoned; memory stays safe).
+// NOTE: the permuted rows of one token lie in k different experts; reading hidden per permuted row
+// read every token k times from HBM (hidden is larger than L2 at prefill sizes).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -90,15 +93,13 @@ __global__ void __launch_bounds__(kThreads)
 __global__ void __launch_bounds__(kGatherThreads) gather_quantize_kernel(const GatherArgs a) {
   dependent_launch_prologue();
   const int nb = a.hidden_size / nvfp4::kBlock;
-  const int64_t r = blockIdx.x;
-  const int32_t entry = a.row_to_entry[r];
-  const int32_t t = entry / a.top_k;
-  const __nv_bfloat16* src = a.hidden + static_cast<int64_t>(t) * a.hidden_size;
-  __nv_bfloat16* dst = a.a1 + r * a.hidden_size;
-  const float wb = a.scale_by_weight ? __bfloat162float(__float2bfloat16_rn(a.topk_weights[entry])) : 1.0f;
-  float gs = 0.0f, inv_gs = 0.0f;
+  const int64_t t = blockIdx.x;
+  const __nv_bfloat16* src = a.hidden + t * a.hidden_size;
+  const int64_t entry0 = t * a.top_k;  // entries t*k .. t*k + k-1
   const bool quantize = a.mode != ActQuant::W4A16;
-  if (quantize) {
+  // Per copy: the router weight on the input, or the copy's expert's input scale.
+  const bool per_copy = a.scale_by_weight || a.mode == ActQuant::W4A4PerExpert;
+  auto copy_scales = [&](int64_t entry, float& gs, float& inv_gs) {
     float s;
     if (a.mode == ActQuant::W4A4Scalar) {
       s = a.input_scale[0];
@@ -108,16 +109,35 @@ __global__ void __launch_bounds__(kGatherThreads) gather_quantize_kernel(const G
     }
     gs = nvfp4::global_inv_scale(s);
     inv_gs = __fdiv_rn(1.0f, gs);
-  }
+  };
+  float gs = 0.0f, inv_gs = 0.0f;
+  if (quantize && !per_copy) copy_scales(entry0, gs, inv_gs);
   for (int b = threadIdx.x; b < nb; b += kGatherThreads) {
-    float v[16];
-    load_bf16x16(src + b * nvfp4::kBlock, v);
-    if (a.scale_by_weight) {
-#pragma unroll
-      for (int j = 0; j < 16; ++j) v[j] = __bfloat162float(__float2bfloat16_rn(__fmul_rn(v[j], wb)));
+    float x[16];
+    load_bf16x16(src + b * nvfp4::kBlock, x);
+    if (!per_copy) {  // one value set for the k copies
+      if (quantize) nvfp4::fake_quantize_block16(x, gs, inv_gs);
+      for (int j = 0; j < a.top_k; ++j)
+        store_bf16x16(a.a1 + static_cast<int64_t>(a.entry_to_row[entry0 + j]) * a.hidden_size + b * nvfp4::kBlock, x);
+      continue;
     }
-    if (quantize) nvfp4::fake_quantize_block16(v, gs, inv_gs);
-    store_bf16x16(dst + b * nvfp4::kBlock, v);
+    for (int j = 0; j < a.top_k; ++j) {
+      const int64_t entry = entry0 + j;
+      float v[16];
+#pragma unroll
+      for (int i = 0; i < 16; ++i) v[i] = x[i];
+      if (a.scale_by_weight) {
+        const float wb = __bfloat162float(__float2bfloat16_rn(a.topk_weights[entry]));
+#pragma unroll
+        for (int i = 0; i < 16; ++i) v[i] = __bfloat162float(__float2bfloat16_rn(__fmul_rn(v[i], wb)));
+      }
+      if (quantize) {
+        float cgs, cinv;
+        copy_scales(entry, cgs, cinv);
+        nvfp4::fake_quantize_block16(v, cgs, cinv);
+      }
+      store_bf16x16(a.a1 + static_cast<int64_t>(a.entry_to_row[entry]) * a.hidden_size + b * nvfp4::kBlock, v);
+    }
   }
 }
 
@@ -149,14 +169,15 @@ cudaError_t launch_gather_quantize(const GatherArgs& a, cudaStream_t stream) {
   const int64_t rows = static_cast<int64_t>(a.num_tokens) * a.top_k;
   const int64_t threads = rows * (a.hidden_size / nvfp4::kBlock);
   if (threads == 0) return cudaSuccess;
-  if (a.hidden == nullptr || a.row_to_entry == nullptr || a.a1 == nullptr) return cudaErrorInvalidValue;
+  if (a.hidden == nullptr || a.entry_to_row == nullptr || a.a1 == nullptr) return cudaErrorInvalidValue;
   if (a.scale_by_weight && a.topk_weights == nullptr) return cudaErrorInvalidValue;
   if (a.mode != ActQuant::W4A16 && a.input_scale == nullptr) return cudaErrorInvalidValue;
   if (a.mode == ActQuant::W4A4PerExpert && (a.topk_ids == nullptr || a.num_experts < 1))
     return cudaErrorInvalidValue;
   if (!aligned(a.hidden, 16) || !aligned(a.a1, 16)) return cudaErrorMisalignedAddress;
-  if (rows > 0x7FFFFFFF) return cudaErrorInvalidValue;
-  return launch_dependent(gather_quantize_kernel, dim3(static_cast<unsigned>(rows)), dim3(kGatherThreads), 0, stream, a);
+  if (a.num_tokens > 0x7FFFFFFF || rows > 0x7FFFFFFF) return cudaErrorInvalidValue;
+  return launch_dependent(gather_quantize_kernel, dim3(static_cast<unsigned>(a.num_tokens)), dim3(kGatherThreads), 0,
+                          stream, a);
 }
 
 }  // namespace fp4moe::kernels

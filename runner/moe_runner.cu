@@ -361,7 +361,7 @@ Status GpuMoeRunner::run(cudaStream_t stream, const ForwardArgs& a, bool routed,
 
   kernels::GatherArgs g;
   g.hidden = static_cast<const __nv_bfloat16*>(a.hidden);
-  g.row_to_entry = pa.row_to_entry;
+  g.entry_to_row = pa.entry_to_row;
   g.topk_ids = ids;
   g.topk_weights = weights;
   g.input_scale = input_scale_.as<float>();

@@ -330,14 +330,16 @@ void check_gather(const GatherCase& c) {
   }
 
   DeviceBuffer<uint16_t> d_hidden(hidden), d_a1(static_cast<size_t>(n * H));
-  DeviceBuffer<int32_t> d_r2e(row_to_entry), d_ids(ids);
+  std::vector<int32_t> entry_to_row(n);
+  for (int64_t r = 0; r < n; ++r) entry_to_row[row_to_entry[r]] = static_cast<int32_t>(r);
+  DeviceBuffer<int32_t> d_e2r(entry_to_row), d_ids(ids);
   DeviceBuffer<float> d_w(weights);
   DeviceBuffer<float> d_scale(c.mode == ActQuant::W4A4Scalar ? std::vector<float>{scalar_scale} : input_scale);
-  ASSERT_TRUE(d_hidden.ok() && d_a1.ok() && d_r2e.ok() && d_ids.ok() && d_w.ok() && d_scale.ok());
+  ASSERT_TRUE(d_hidden.ok() && d_a1.ok() && d_e2r.ok() && d_ids.ok() && d_w.ok() && d_scale.ok());
   d_a1.poison();
   kernels::GatherArgs a;
   a.hidden = reinterpret_cast<const __nv_bfloat16*>(d_hidden.get());
-  a.row_to_entry = d_r2e.get();
+  a.entry_to_row = d_e2r.get();
   a.topk_ids = d_ids.get();
   a.topk_weights = d_w.get();
   a.input_scale = d_scale.get();
