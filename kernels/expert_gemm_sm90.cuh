@@ -97,8 +97,7 @@ struct TileConfig {
   static_assert(kYStride * 4 % 16 == 0, "bulk copies read 16-byte aligned staging rows");
   static_assert(kSmemBytes <= kMaxSmemBytes, "shared memory budget");
   static_assert(kBlocks * kAcc == 128, "128 accumulator registers per consumer thread");
-  static_assert(kSlots * 32 % kProducerThreads == 0, "weight copies split evenly over the producer");
-  static_assert(kSlots * 4 <= kProducerThreads, "one scale copy per producer thread at most");
+  static_assert(kTileRows <= 256 && kSlots / 2 <= 256, "bulk tensor copy boxes hold at most 256 rows");
 };
 
 enum class Epilogue : int { Gemm1Gated = 0, Gemm1Plain = 1, Gemm2 = 2 };
@@ -210,10 +209,12 @@ __device__ __forceinline__ void cp_async_wait() {  // at most N of this thread's
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, uint32_t src_bytes) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
 }
-// NOTE: wgmma reads shared memory through the async proxy; the cp.async writes are generic-proxy
-// writes, so each producer thread waits for its copies of a stage, fences, and only then arrives on
-// the stage's `full` barrier. (A fence on the consumer side, after the barrier wait, costs a
-// MEMBAR.ALL.CTA per stage in the consumer warps, right in the wgmma stream.)
+// NOTE: wgmma and bulk copies read shared memory through the async proxy; cp.async and st.shared
+// writes are generic-proxy writes, so the writer fences before it publishes them (the streaming
+// kernel's cp.async producer: after its copies of a stage landed, before the `full` arrival; the
+// GEMM2 epilogue: before the barrier that precedes its bulk stores). TMA writes need no fence. (A
+// fence on the consumer side, after the barrier wait, costs a MEMBAR.ALL.CTA per stage in the
+// consumer warps, right in the wgmma stream.)
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
