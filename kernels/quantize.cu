@@ -175,7 +175,7 @@ cudaError_t launch_gather_quantize(const GatherArgs& a, cudaStream_t stream) {
   if (a.mode == ActQuant::W4A4PerExpert && (a.topk_ids == nullptr || a.num_experts < 1))
     return cudaErrorInvalidValue;
   if (!aligned(a.hidden, 16) || !aligned(a.a1, 16)) return cudaErrorMisalignedAddress;
-  if (a.num_tokens > 0x7FFFFFFF || rows > 0x7FFFFFFF) return cudaErrorInvalidValue;
+  if (rows > 0x7FFFFFFF) return cudaErrorInvalidValue;
   return launch_dependent(gather_quantize_kernel, dim3(static_cast<unsigned>(a.num_tokens)), dim3(kGatherThreads), 0,
                           stream, a);
 }
