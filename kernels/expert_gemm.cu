@@ -78,7 +78,7 @@ template <class C>
 cudaError_t make_maps(const sm90gemm::Params& p, sm90gemm::TmaMaps& maps) {
   const cuuint64_t act_dims[2] = {static_cast<cuuint64_t>(p.K), static_cast<cuuint64_t>(p.rows)};
   const cuuint64_t act_strides[1] = {static_cast<cuuint64_t>(p.K) * 2};
-  const cuuint32_t act_box[2] = {64, static_cast<cuuint32_t>(C::kTileRows)};  // 128 B x tile rows
+  const cuuint32_t act_box[2] = {64, static_cast<cuuint32_t>(C::kActBoxRows)};  // 128 B x box rows
   if (cudaError_t e = encode_map(maps.act, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, p.a, act_dims, act_strides, act_box,
                                  CU_TENSOR_MAP_SWIZZLE_128B);
       e != cudaSuccess)

@@ -5,8 +5,10 @@
 // x 128 token rows (one entry of the tile table) over the whole K:
 //   warpgroup 2     producer (setmaxnreg 56): one thread issues the bulk tensor copies (TMA) of each
 //                   128-wide K chunk into a 4-stage ring, all completing on the stage's `full` mbarrier
-//                   (expect_tx of the whole stage; out-of-bounds boxes are zero-filled and counted too):
-//                     activations [2 slabs of 64 K][128 tokens][128 B], 128-byte swizzled (2-D map)
+//                   (expect_tx of the bytes the stage loads; out-of-bounds parts of a box are
+//                   zero-filled and counted):
+//                     activations [2 slabs of 64 K][128 tokens][128 B], 128-byte swizzled (2-D map),
+//                       only the rows the tile's wgmma width reads (boxes of kActBoxRows rows)
 //                     weights [32 slots][512 B] + scales [32 slots][64 B] (prepacked; 4-D/5-D maps)
 //                   Slot j < 16 holds row group j of the CTA's first half (gate groups when gated),
 //                   slot 16 + j the matching group of its second half (the matching up groups).
@@ -80,6 +82,10 @@ struct TileConfig {
   static constexpr int kStages = TileTokens == 128 ? 4 : 3;
   static constexpr int kAcc = TileTokens / 2;                    // accumulators per thread per block
   static constexpr int kSlabBytes = kTileRows * 128;             // 64 K of kTileRows tokens
+  // Activation rows per bulk tensor copy box: a stage loads only the boxes that cover the wgmma width
+  // of the tile (wgmma_width), so a tile with few valid rows does not pull a whole slab from L2.
+  static constexpr int kActBoxRows = TileTokens == 128 ? 32 : 64;
+  static constexpr int kMinWidth = TileTokens == 128 ? 8 : 64;   // the narrowest wgmma instantiated
   static constexpr int kActBytes = 2 * kSlabBytes;
   static constexpr int kWeightBytes = kSlots * fp4layout::kChunkBytes;
   static constexpr int kScaleBytes = kSlots * fp4layout::kChunkScaleBytes;
@@ -98,7 +104,19 @@ struct TileConfig {
   static_assert(kSmemBytes <= kMaxSmemBytes, "shared memory budget");
   static_assert(kBlocks * kAcc == 128, "128 accumulator registers per consumer thread");
   static_assert(kTileRows <= 256 && kSlots / 2 <= 256, "bulk tensor copy boxes hold at most 256 rows");
+  static_assert(kTileRows % kActBoxRows == 0 && kActBoxRows * 128 % 1024 == 0,
+                "activation boxes tile the slab in whole 8-row swizzle atoms (1024-byte aligned)");
 };
+
+// The wgmma width N of a tile with valid_rows token rows (1..kTileRows): the smallest of the few
+// instantiated widths (powers of two from kMinWidth) that covers them. The consumers' dispatch and
+// the producer's activation boxes both follow it: rows [0, N) of every slab are loaded.
+template <class C>
+__host__ __device__ constexpr int wgmma_width(int valid_rows) {
+  int n = C::kMinWidth;
+  while (n < valid_rows && n < C::kTileRows) n *= 2;
+  return n;
+}
 
 enum class Epilogue : int { Gemm1Gated = 0, Gemm1Plain = 1, Gemm2 = 2 };
 
@@ -494,14 +512,19 @@ __device__ __forceinline__ void consumer_mainloop(const Params& p, uint8_t* smem
 
 // Producer (one thread of the producer warpgroup): the bulk tensor copies of every K chunk into the
 // ring. Stage s of chunk kt: wait until the consumers released it (chunk kt - kStages), announce the
-// stage's bytes on full[s], then 2 activation slabs + the weight and scale slots of the chunk.
-// NOTE: one thread issues ~4 copies per stage; the cp.async producer it replaces issued ~700
+// stage's bytes on full[s], then rows [0, width) of the 2 activation slabs (width / kActBoxRows boxes
+// each, at least one) + the weight and scale slots of the chunk.
+// NOTE: one thread issues 4-10 copies per stage; the cp.async producer it replaces issued ~700
 // instructions per warp and chunk (address arithmetic per 16 bytes) and paced the consumers.
+// NOTE: the activation slab is most of a stage's bytes (64 of 73 KiB with 256-token tiles), all of it
+// from L2; a tile's tail (a few rows past a multiple of the tile) loads only its boxes.
 template <class C>
 __device__ __forceinline__ void producer(const Params& p, const TmaMaps& maps, uint8_t* smem, uint32_t bar_base,
-                                         int expert, int ntile, int row_start) {
-  constexpr int kStages = C::kStages, kSlots = C::kSlots;
+                                         int expert, int ntile, int row_start, int width) {
+  constexpr int kStages = C::kStages, kSlots = C::kSlots, kBox = C::kActBoxRows;
   const bool gated = p.epilogue == Epilogue::Gemm1Gated;
+  const int boxes = (width + kBox - 1) / kBox;  // per slab
+  const uint32_t stage_bytes = static_cast<uint32_t>(2 * boxes * kBox * 128 + C::kWeightBytes + C::kScaleBytes);
   tma_prefetch(&maps.act);
   tma_prefetch(&maps.w);
   tma_prefetch(&maps.scale);
@@ -512,10 +535,12 @@ __device__ __forceinline__ void producer(const Params& p, const TmaMaps& maps, u
     const uint32_t act_base = smem_addr(smem) + s * C::kStageBytes;  // (2 slabs, tile rows, 128 B)
     const uint32_t w_base = act_base + C::kActBytes;                 // (kSlots, 512 B)
     const uint32_t s_base = w_base + C::kWeightBytes;                // (kSlots, 64 B)
-    mbar_arrive_expect_tx(full, C::kStageBytes);
+    mbar_arrive_expect_tx(full, stage_bytes);  // out-of-bounds parts of a box count as well
     const int kcol = kt * fp4layout::kChunkK;
-    tma_load_2d(act_base, &maps.act, full, kcol, row_start);
-    tma_load_2d(act_base + C::kSlabBytes, &maps.act, full, kcol + 64, row_start);
+    for (int bx = 0; bx < boxes; ++bx) {  // (box rows, 128 B) at row bx * kBox of each slab
+      tma_load_2d(act_base + bx * kBox * 128, &maps.act, full, kcol, row_start + bx * kBox);
+      tma_load_2d(act_base + C::kSlabBytes + bx * kBox * 128, &maps.act, full, kcol + 64, row_start + bx * kBox);
+    }
     if (gated) {  // (expert, half, group pair, chunk): slots [gate groups][up groups]
       tma_load_5d(w_base, &maps.w, full, 0, kt, ntile * (kSlots / 2), 0, expert);
       tma_load_5d(s_base, &maps.scale, full, 0, kt, ntile * (kSlots / 2), 0, expert);
@@ -686,7 +711,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   if (threadIdx.x >= kConsumerThreads) {
     setmaxnreg_dec<kProducerRegs>();
-    if (threadIdx.x == kConsumerThreads) producer<C>(p, maps, smem, bar_base, expert, ntile, static_cast<int>(row_start));
+    if (threadIdx.x == kConsumerThreads)
+      producer<C>(p, maps, smem, bar_base, expert, ntile, static_cast<int>(row_start), wgmma_width<C>(valid_rows));
     return;
   }
   setmaxnreg_inc<kConsumerRegs>();
@@ -701,15 +727,16 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
     for (int i = 0; i < C::kAcc; ++i) acc[b][i] = 0.0f;
   // N of the wgmma: the smallest width (of a few, to keep instantiations few) covering the valid rows.
+  const int width = wgmma_width<C>(valid_rows);
   if constexpr (TileTokens == 128) {
-    if (valid_rows <= 8) consumer_mainloop<C, 8>(p, smem, bar_base, acc);
-    else if (valid_rows <= 16) consumer_mainloop<C, 16>(p, smem, bar_base, acc);
-    else if (valid_rows <= 32) consumer_mainloop<C, 32>(p, smem, bar_base, acc);
-    else if (valid_rows <= 64) consumer_mainloop<C, 64>(p, smem, bar_base, acc);
+    if (width == 8) consumer_mainloop<C, 8>(p, smem, bar_base, acc);
+    else if (width == 16) consumer_mainloop<C, 16>(p, smem, bar_base, acc);
+    else if (width == 32) consumer_mainloop<C, 32>(p, smem, bar_base, acc);
+    else if (width == 64) consumer_mainloop<C, 64>(p, smem, bar_base, acc);
     else consumer_mainloop<C, 128>(p, smem, bar_base, acc);
   } else {
-    if (valid_rows <= 64) consumer_mainloop<C, 64>(p, smem, bar_base, acc);
-    else if (valid_rows <= 128) consumer_mainloop<C, 128>(p, smem, bar_base, acc);
+    if (width == 64) consumer_mainloop<C, 64>(p, smem, bar_base, acc);
+    else if (width == 128) consumer_mainloop<C, 128>(p, smem, bar_base, acc);
     else consumer_mainloop<C, 256>(p, smem, bar_base, acc);
   }
 
