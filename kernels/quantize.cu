@@ -7,8 +7,9 @@
 // the padded [ceil(rows/128)*128, ceil(cols/16/4)*4] scale matrix, and the threads of padding
 // positions write a zero scale byte.
 //
-// gather_quantize_kernel: one CTA per token t, one thread per 16-element block of its row: x = hidden[t]
-// is read once and written to the k permuted rows entry_to_row[t*k + j]. w4a16 writes x (times
+// gather_quantize_kernel: one CTA per token t (its k row offsets and per-copy scales in shared memory,
+// top_k <= 32): x = hidden[t] is read once and written to the k permuted rows entry_to_row[t*k + j].
+// w4a16 writes x (times
 // bf16(w[entry]) rounded to bf16 when scale_by_weight), w4a4 the q*sf values of NVFP4(x) with
 // input_scale[0] (scalar mode: quantized once for the k copies) or input_scale[topk_ids[entry]]
 // (per-expert mode: quantized per copy) — q*sf is exact in bf16. Entries whose expert id is out of
@@ -28,7 +29,8 @@ namespace fp4moe::kernels {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kGatherThreads = 128;  // per permuted row: H = 2048..7168 is 128..448 blocks of 16
+constexpr int kGatherThreads = 128;  // per token: H = 2048..7168 is 128..448 blocks of 16
+constexpr int kMaxGatherTopK = 32;   // the router's limit (kernels/route.cu)
 
 // 16 bf16 (two uint4) -> 16 floats; element 2i is the low half of word i.
 __device__ __forceinline__ void load_bf16x16(const __nv_bfloat16* src, float (&v)[16]) {
@@ -86,57 +88,78 @@ __global__ void __launch_bounds__(kThreads)
   scales[scale_at] = static_cast<uint8_t>(q.sf);
 }
 
-// One CTA per permuted row r (grid.x = T*k): the row's entry, token, weight and scale once per thread,
-// then the row's 16-element blocks strided over the threads (adjacent threads, adjacent 32-byte blocks).
+// One CTA per token t: the k copies' row offsets (and, per copy, the scale and weight) once per CTA in
+// shared memory, then the row strided over the threads (adjacent threads, adjacent addresses):
+//   w4a16 without weights: a copy, one 16-byte word (8 bf16) per thread and step, so each warp store
+//                          writes 512 contiguous bytes to each of the k rows;
+//   otherwise:             one 16-element block (two 16-byte words) per thread and step.
 // NOTE: one thread per block with a flat 64-bit index paid two 64-bit divisions per 16 elements,
-// about as many instructions as the quantization itself.
+// about as many instructions as the quantization itself; re-reading entry_to_row per copy inside the
+// loop cost one dependent global load per store (it may alias a1 for the compiler).
 __global__ void __launch_bounds__(kGatherThreads) gather_quantize_kernel(const GatherArgs a) {
+  __shared__ int64_t row_off[kMaxGatherTopK];   // element offset of copy j's permuted row in a1
+  __shared__ float copy_gs[kMaxGatherTopK];     // per copy: NVFP4 global scale (w4a4 per copy)
+  __shared__ float copy_inv_gs[kMaxGatherTopK];
+  __shared__ float copy_weight[kMaxGatherTopK]; // per copy: bf16(router weight) (scale_by_weight)
   dependent_launch_prologue();
   const int nb = a.hidden_size / nvfp4::kBlock;
+  const int k = a.top_k;
   const int64_t t = blockIdx.x;
   const __nv_bfloat16* src = a.hidden + t * a.hidden_size;
-  const int64_t entry0 = t * a.top_k;  // entries t*k .. t*k + k-1
+  const int64_t entry0 = t * k;  // entries t*k .. t*k + k-1
   const bool quantize = a.mode != ActQuant::W4A16;
   // Per copy: the router weight on the input, or the copy's expert's input scale.
   const bool per_copy = a.scale_by_weight || a.mode == ActQuant::W4A4PerExpert;
-  auto copy_scales = [&](int64_t entry, float& gs, float& inv_gs) {
-    float s;
-    if (a.mode == ActQuant::W4A4Scalar) {
-      s = a.input_scale[0];
-    } else {
-      const int32_t e = a.topk_ids[entry];
-      s = (e >= 0 && e < a.num_experts) ? a.input_scale[e] : __uint_as_float(0x7FC00000u);
-    }
+  auto scales_of = [&](float s, float& gs, float& inv_gs) {
     gs = nvfp4::global_inv_scale(s);
     inv_gs = __fdiv_rn(1.0f, gs);
   };
+  if (threadIdx.x < k) {
+    const int j = threadIdx.x;
+    const int64_t entry = entry0 + j;
+    row_off[j] = static_cast<int64_t>(a.entry_to_row[entry]) * a.hidden_size;
+    if (a.scale_by_weight) copy_weight[j] = __bfloat162float(__float2bfloat16_rn(a.topk_weights[entry]));
+    if (a.mode == ActQuant::W4A4PerExpert) {
+      const int32_t e = a.topk_ids[entry];
+      scales_of((e >= 0 && e < a.num_experts) ? a.input_scale[e] : __uint_as_float(0x7FC00000u), copy_gs[j],
+                copy_inv_gs[j]);
+    }
+  }
+  __syncthreads();
+
+  if (!quantize && !a.scale_by_weight) {  // w4a16: the row itself into the k rows
+    const int words = a.hidden_size / 8;
+    const uint4* in = reinterpret_cast<const uint4*>(src);
+    for (int w = threadIdx.x; w < words; w += kGatherThreads) {
+      const uint4 v = in[w];
+      for (int j = 0; j < k; ++j) reinterpret_cast<uint4*>(a.a1 + row_off[j])[w] = v;
+    }
+    return;
+  }
   float gs = 0.0f, inv_gs = 0.0f;
-  if (quantize && !per_copy) copy_scales(entry0, gs, inv_gs);
+  if (a.mode == ActQuant::W4A4Scalar) scales_of(a.input_scale[0], gs, inv_gs);  // one scale for every copy
   for (int b = threadIdx.x; b < nb; b += kGatherThreads) {
     float x[16];
     load_bf16x16(src + b * nvfp4::kBlock, x);
-    if (!per_copy) {  // one value set for the k copies
-      if (quantize) nvfp4::fake_quantize_block16(x, gs, inv_gs);
-      for (int j = 0; j < a.top_k; ++j)
-        store_bf16x16(a.a1 + static_cast<int64_t>(a.entry_to_row[entry0 + j]) * a.hidden_size + b * nvfp4::kBlock, x);
+    if (!per_copy) {  // w4a4 scalar: quantized once for the k copies
+      nvfp4::fake_quantize_block16(x, gs, inv_gs);
+      for (int j = 0; j < k; ++j) store_bf16x16(a.a1 + row_off[j] + b * nvfp4::kBlock, x);
       continue;
     }
-    for (int j = 0; j < a.top_k; ++j) {
-      const int64_t entry = entry0 + j;
+    for (int j = 0; j < k; ++j) {
       float v[16];
 #pragma unroll
       for (int i = 0; i < 16; ++i) v[i] = x[i];
       if (a.scale_by_weight) {
-        const float wb = __bfloat162float(__float2bfloat16_rn(a.topk_weights[entry]));
+        const float wb = copy_weight[j];
 #pragma unroll
         for (int i = 0; i < 16; ++i) v[i] = __bfloat162float(__float2bfloat16_rn(__fmul_rn(v[i], wb)));
       }
       if (quantize) {
-        float cgs, cinv;
-        copy_scales(entry, cgs, cinv);
-        nvfp4::fake_quantize_block16(v, cgs, cinv);
+        if (a.mode == ActQuant::W4A4Scalar) nvfp4::fake_quantize_block16(v, gs, inv_gs);  // weight, then quantize
+        else nvfp4::fake_quantize_block16(v, copy_gs[j], copy_inv_gs[j]);
       }
-      store_bf16x16(a.a1 + static_cast<int64_t>(a.entry_to_row[entry]) * a.hidden_size + b * nvfp4::kBlock, v);
+      store_bf16x16(a.a1 + row_off[j] + b * nvfp4::kBlock, v);
     }
   }
 }
@@ -164,7 +187,7 @@ cudaError_t launch_quantize_nvfp4(const __nv_bfloat16* x, int64_t rows, int64_t 
 }
 
 cudaError_t launch_gather_quantize(const GatherArgs& a, cudaStream_t stream) {
-  if (a.num_tokens < 0 || a.top_k < 1 || a.hidden_size < 0 || a.hidden_size % nvfp4::kBlock != 0)
+  if (a.num_tokens < 0 || a.top_k < 1 || a.top_k > kMaxGatherTopK || a.hidden_size < 0 || a.hidden_size % nvfp4::kBlock != 0)
     return cudaErrorInvalidValue;
   const int64_t rows = static_cast<int64_t>(a.num_tokens) * a.top_k;
   const int64_t threads = rows * (a.hidden_size / nvfp4::kBlock);

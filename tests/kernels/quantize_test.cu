@@ -398,5 +398,31 @@ TEST(GatherQuantizeKernel, TokenCounts) {
   }
 }
 
+TEST(GatherQuantizeKernel, TopKLimit) {
+  FP4MOE_REQUIRE_SM90();
+  for (ActQuant mode : {ActQuant::W4A16, ActQuant::W4A4PerExpert}) {  // k = 32, the router's limit, works
+    GatherCase c;
+    c.T = 5;
+    c.k = 32;
+    c.E = 40;
+    c.H = 64;
+    c.mode = mode;
+    c.seed = 99;
+    check_gather(c);
+  }
+  DeviceBuffer<uint16_t> hidden(std::vector<uint16_t>(64, 0)), a1(static_cast<size_t>(33 * 64));
+  DeviceBuffer<int32_t> e2r(std::vector<int32_t>(33, 0));
+  ASSERT_TRUE(hidden.ok() && a1.ok() && e2r.ok());
+  kernels::GatherArgs a;
+  a.hidden = reinterpret_cast<const __nv_bfloat16*>(hidden.get());
+  a.entry_to_row = e2r.get();
+  a.a1 = reinterpret_cast<__nv_bfloat16*>(a1.get());
+  a.num_tokens = 1;
+  a.top_k = 33;  // past the limit: refused before any launch
+  a.hidden_size = 64;
+  a.mode = ActQuant::W4A16;
+  EXPECT_EQ(kernels::launch_gather_quantize(a, nullptr), cudaErrorInvalidValue);
+}
+
 }  // namespace
 }  // namespace fp4moe
