@@ -15,6 +15,7 @@ struct BenchCommandOptions {
   std::string json, csv;
   int reps = 30;
   std::string tactic;      // force a tactic (describe() form, e.g. sm90_wgmma/t256/s1)
+  bool no_refcheck = false;  // time without checking the output (experiments that knowingly break it)
   std::string checkpoint;  // instead of --model: a checkpoint directory ...
   int64_t layer = -1;      // ... and its MoE layer
   CLI::App* command = nullptr;

@@ -33,6 +33,7 @@ struct BenchOptions {
   int reps = 30;   // >= 20
   uint64_t seed = 1;
   std::optional<MoeTactic> tactic;  // force this tactic (MoeRunner::force_tactic); default: the runner's choice
+  bool refcheck = true;             // check each row's first tokens against the CPU reference (throws on a mismatch)
 };
 
 struct StageTimes {
