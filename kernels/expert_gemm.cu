@@ -5,8 +5,8 @@
 //   2. The tactic picks the kernel (args.tactic): the wgmma kernel with 128- or 256-token tiles here,
 //      the streaming kernel (expert_gemm_stream.cu) for sm90_stream.
 //   3. The bulk tensor copy maps of the launch (activations, weights, scales), encoded on the host.
-//   4. Grid: max_tiles token tiles x CTAs along N (128 weight rows per CTA; GEMM1 gated: half of them
-//      intermediate columns), one dimension;
+//   4. Grid: max_tiles token tiles x CTAs along N (the CTA's weight rows: 256 with 128-token tiles,
+//      128 with 256-token tiles; GEMM1 gated: half of them intermediate columns), one dimension;
 //      CTAs past *num_tiles leave at once.
 //   5. One kernel instantiation per tile shape serves GEMM1 (gated or relu2, bf16 or NVFP4 output) and GEMM2.
 #include <cuda.h>
@@ -28,11 +28,6 @@ cudaError_t configure_expert_gemm() {
   static std::atomic<uint64_t> configured{0};
   return gemm_detail::once_per_device(configured, [] {
     const auto opt_in = [](auto kernel, size_t bytes) {
-      // NOTE: the whole shared-memory carveout, so that the 128-token kernel's two CTAs fit one SM.
-      if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                               cudaSharedmemCarveoutMaxShared);
-          e != cudaSuccess)
-        return e;
       return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
     };
     for (cudaError_t e : {opt_in(sm90gemm::expert_gemm_kernel<128>, sm90gemm::TileConfig<128>::kSmemBytes),
@@ -128,7 +123,7 @@ cudaError_t launch_wgmma(const sm90gemm::Params& p, bool gated_gemm1, int64_t co
   sm90gemm::TmaMaps maps;
   if (cudaError_t e = make_maps<C>(q, maps); e != cudaSuccess) return e;
   return launch_dependent(sm90gemm::expert_gemm_kernel<TileTokens>, dim3(static_cast<unsigned>(ctas)),
-                          dim3(C::kThreads), C::kSmemBytes, stream, q, maps);
+                          dim3(sm90gemm::kThreads), C::kSmemBytes, stream, q, maps);
 }
 
 // The one place where a tactic becomes a kernel instantiation (the streaming kernel: see the launchers).

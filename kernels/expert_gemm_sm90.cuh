@@ -1,27 +1,26 @@
 // kernels/expert_gemm_sm90.cuh — the NVFP4 expert GEMM for sm_90a: FP4 weights decoded in registers
 // to bf16 and fed as the register A operand of wgmma; tokens are the MMA N dimension ("swap AB").
 //
-// One CTA computes a tile of 128 weight rows (GEMM1 gated: 64 gate rows + the 64 matching up rows)
-// x kTileRows token rows (one entry of the tile table; 128 or 256, TileConfig) over the whole K:
-//   last warpgroup  producer (setmaxnreg kProducerRegs): one thread issues the bulk tensor copies (TMA)
-//                   of each 128-wide K chunk into a kStages ring, all completing on the stage's `full`
-//                   mbarrier (expect_tx of the bytes the stage loads; out-of-bounds parts of a box are
+// One CTA computes a tile of 256 weight rows (GEMM1 gated: 128 gate rows + the 128 matching up rows)
+// x 128 token rows (one entry of the tile table) over the whole K:
+//   warpgroup 2     producer (setmaxnreg 56): one thread issues the bulk tensor copies (TMA) of each
+//                   128-wide K chunk into a 4-stage ring, all completing on the stage's `full` mbarrier
+//                   (expect_tx of the bytes the stage loads; out-of-bounds parts of a box are
 //                   zero-filled and counted):
-//                     activations [2 slabs of 64 K][kTileRows tokens][128 B], 128-byte swizzled (2-D
-//                       map), only the rows the tile's wgmma width reads (boxes of kActBoxRows rows)
-//                     weights [16 slots][512 B] + scales [16 slots][64 B] (prepacked; 4-D/5-D maps)
-//                   Slot j < 8 holds row group j of the CTA's first half (gate groups when gated),
-//                   slot 8 + j the matching group of its second half (the matching up groups).
-//   warpgroups 0..  consumers (setmaxnreg 224; 1 warpgroup with 2 m64 blocks for 128 tokens, 2 with 1
-//                   for 256); warpgroup c, block b, warp w own the m16 tile mt = 4 kBlocks c + 4b + w:
-//                   rows g from slot mt, rows g+8 from slot 8 + mt (CTA-local weight rows 8mt + g and
-//                   64 + 8mt + g; gated: gate and up of intermediate column 8mt + g).
-//                   Per stage: wait `full`, load 16 B of weights + 8 B of scales per block and half,
-//                   then per word q (two k16 steps): decode_word + bf16x2 scale multiply -> A
-//                   fragments, one wgmma group (m64nNk16, every block). The next stage's loads and
-//                   word-0 decode overlap the stage's last groups; stages go in pairs, the wgmma stream
+//                     activations [2 slabs of 64 K][128 tokens][128 B], 128-byte swizzled (2-D map),
+//                       only the rows the tile's wgmma width reads (boxes of kActBoxRows rows)
+//                     weights [32 slots][512 B] + scales [32 slots][64 B] (prepacked; 4-D/5-D maps)
+//                   Slot j < 16 holds row group j of the CTA's first half (gate groups when gated),
+//                   slot 16 + j the matching group of its second half (the matching up groups).
+//   warpgroups 0-1  consumers (setmaxnreg 224); warpgroup c, block b (0..1), warp w own the m16 tile
+//                   mt = 8c + 4b + w: rows g from slot mt, rows g+8 from slot 16 + mt (CTA-local weight
+//                   rows 8mt + g and 128 + 8mt + g; gated: gate and up of intermediate column 8mt + g).
+//                   Per stage: wait `full`, load 4 x 16 B of weights + 4 x 8 B of scales, then per
+//                   word q (two k16 steps): decode_word + bf16x2 scale multiply -> A fragments,
+//                   one wgmma group (m64nNk16, both blocks). The next stage's loads and word-0
+//                   decode overlap the stage's last groups; stages go in pairs, the wgmma stream
 //                   drains once per pair; a stage is released (`empty`) once its last group is done.
-//                   N (8..kTileRows) is the smallest wgmma width that covers the tile's valid rows.
+//                   N (8..128) is the smallest wgmma width that covers the tile's valid token rows.
 //   epilogue        h = alpha[e] * (2^8 * acc) (fp32, see expert_gemm_layout.cuh for the 2^8), then
 //                     GEMM1: staged through shared memory as [row][token] fp32, then per (token, 16
 //                            columns; the activation kind a template parameter): activation, bf16
@@ -55,35 +54,32 @@
 
 namespace fp4moe::kernels::sm90gemm {
 
+inline constexpr int kConsumerThreads = 256;  // two warpgroups
 inline constexpr int kProducerThreads = 128;  // one warpgroup (register reallocation is per warpgroup)
-inline constexpr int kConsumerRegs = 224;     // registers per consumer thread after setmaxnreg
-inline constexpr int kRegsPerSm = 65536;
+inline constexpr int kThreads = kConsumerThreads + kProducerThreads;
+inline constexpr int kProducerRegs = 56;   // registers per thread after setmaxnreg
+inline constexpr int kConsumerRegs = 224;
+// NOTE: setmaxnreg.inc draws from the registers the CTA was launched with (168 per thread for 384
+// threads at one CTA per SM: 64512); asking for more than the producer gave back blocks forever.
+inline constexpr int kLaunchRegs = 168;
+static_assert(kProducerThreads * kProducerRegs + kConsumerThreads * kConsumerRegs <= kThreads * kLaunchRegs,
+              "the register reallocation must fit the CTA's launch allocation");
 inline constexpr int kRasterGroup = 8;        // token tiles per raster group (L2 reuse of weights)
 inline constexpr int kMaxSmemBytes = 232448;  // sm_90 opt-in limit per CTA (227 KiB)
-inline constexpr int kMaxSmemPerSm = 233472;  // sm_90 shared memory per SM (228 KiB; 1 KiB reserved per CTA)
 
-// The two tile shapes (MoeTactic::tile_tokens). Both compute 128 weight rows per CTA and keep 64 x
-// kTileRows accumulators per m64 block and 128 accumulator registers per consumer thread:
-//   128 tokens: 1 consumer warpgroup with 2 m64 blocks, 2 stages of 41 KiB, 2 CTAs per SM: one CTA's
-//               pipeline fill and epilogue run while the other CTA's main loop keeps the tensor cores busy.
-//   256 tokens: 2 consumer warpgroups with 1 m64 block each (m64n256 wgmma), 3 stages of 73 KiB, 1 CTA
-//               per SM; each decoded A fragment feeds twice the tokens (half the decode per flop).
+// The two tile shapes (MoeTactic::tile_tokens). Both keep 64 x kTileRows accumulators per m64 block
+// and 128 accumulator registers per consumer thread:
+//   128 tokens: 256 weight rows per CTA, 2 m64 blocks per consumer warpgroup, 4 stages of 50 KiB.
+//   256 tokens: 128 weight rows per CTA, 1 m64 block per warpgroup (m64n256 wgmma), 3 stages of 73 KiB;
+//               each decoded A fragment feeds twice the tokens (half the decode per flop).
 template <int TileTokens>
 struct TileConfig {
   static_assert(TileTokens == 128 || TileTokens == 256, "tile_tokens is 128 or 256");
   static constexpr int kTileRows = TileTokens;                   // token rows per tile
-  static constexpr int kConsumerWarpgroups = TileTokens == 128 ? 1 : 2;
-  static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
-  static constexpr int kThreads = kConsumerThreads + kProducerThreads;
-  static constexpr int kCtasPerSm = TileTokens == 128 ? 2 : 1;
-  // NOTE: setmaxnreg.inc draws from the registers the CTA was launched with (kLaunchRegs per thread,
-  // the SM's file split over kCtasPerSm CTAs); asking for more than the producer gave back blocks forever.
-  static constexpr int kLaunchRegs = kRegsPerSm / (kThreads * kCtasPerSm) / 8 * 8;  // 128 / 168
-  static constexpr int kProducerRegs = TileTokens == 128 ? 32 : 56;
   static constexpr int kBlocks = TileTokens == 128 ? 2 : 1;      // m64 blocks per consumer warpgroup
-  static constexpr int kBlockN = 64 * kBlocks * kConsumerWarpgroups;  // weight rows per CTA (128)
+  static constexpr int kBlockN = 128 * kBlocks;                  // weight rows per CTA
   static constexpr int kSlots = kBlockN / 8;                     // row groups per CTA
-  static constexpr int kStages = TileTokens == 128 ? 2 : 3;
+  static constexpr int kStages = TileTokens == 128 ? 4 : 3;
   static constexpr int kAcc = TileTokens / 2;                    // accumulators per thread per block
   static constexpr int kSlabBytes = kTileRows * 128;             // 64 K of kTileRows tokens
   // Activation rows per bulk tensor copy box: a stage loads only the boxes that cover the wgmma width
@@ -93,7 +89,7 @@ struct TileConfig {
   static constexpr int kActBytes = 2 * kSlabBytes;
   static constexpr int kWeightBytes = kSlots * fp4layout::kChunkBytes;
   static constexpr int kScaleBytes = kSlots * fp4layout::kChunkScaleBytes;
-  static constexpr int kStageBytes = kActBytes + kWeightBytes + kScaleBytes;  // 41 / 73 KiB
+  static constexpr int kStageBytes = kActBytes + kWeightBytes + kScaleBytes;  // 50 / 73 KiB, one expect_tx
   static constexpr int kStagingStride = kTileRows + 8;  // floats per staging row (float2 stores conflict-free)
   static constexpr int kYStride = kBlockN + 4;          // GEMM2 y staging [token][kBlockN] (floats per row)
   static constexpr int kBarrierOffset = kStages * kStageBytes;
@@ -106,10 +102,6 @@ struct TileConfig {
   static_assert(kYStride % 16 == 4, "y staging stores: tokens 2t land 8 banks apart");
   static_assert(kYStride * 4 % 16 == 0, "bulk copies read 16-byte aligned staging rows");
   static_assert(kSmemBytes <= kMaxSmemBytes, "shared memory budget");
-  static_assert(kCtasPerSm * (kSmemBytes + 1024) <= kMaxSmemPerSm, "shared memory of kCtasPerSm CTAs per SM");
-  static_assert(kProducerThreads * kProducerRegs + kConsumerThreads * kConsumerRegs <= kThreads * kLaunchRegs,
-                "the register reallocation must fit the CTA's launch allocation");
-  static_assert(kProducerRegs % 8 == 0 && kProducerRegs >= 24 && kLaunchRegs <= 255, "setmaxnreg ranges");
   static_assert(kBlocks * kAcc == 128, "128 accumulator registers per consumer thread");
   static_assert(kTileRows <= 256 && kSlots / 2 <= 256, "bulk tensor copy boxes hold at most 256 rows");
   static_assert(kTileRows % kActBoxRows == 0 && kActBoxRows * 128 % 1024 == 0,
@@ -248,8 +240,7 @@ template <int N>
 __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
 }
-template <int kConsumerThreads>
-__device__ __forceinline__ void consumer_sync() {  // named barrier 1: the consumer threads
+__device__ __forceinline__ void consumer_sync() {  // named barrier 1: the 256 consumer threads
   asm volatile("bar.sync 1, %0;" ::"n"(kConsumerThreads) : "memory");
 }
 // Shared-memory loads by 32-bit shared address (volatile: they stay after the mbarrier wait).
@@ -683,11 +674,11 @@ __device__ __forceinline__ void gemm1_epilogue(const Params& p, const float* stg
 // header for its helpers with FP4MOE_SM90GEMM_HELPERS_ONLY defined (one definition of the kernel).
 #if !defined(FP4MOE_SM90GEMM_HELPERS_ONLY)
 template <int TileTokens>
-__global__ void __launch_bounds__(TileConfig<TileTokens>::kThreads, TileConfig<TileTokens>::kCtasPerSm)
+__global__ void __launch_bounds__(kThreads, 1)
     expert_gemm_kernel(const __grid_constant__ Params p, const __grid_constant__ TmaMaps maps) {
   using C = TileConfig<TileTokens>;
   constexpr int kTileRows = C::kTileRows, kBlockN = C::kBlockN, kStages = C::kStages, kB = C::kBlocks;
-  constexpr int kStagingStride = C::kStagingStride, kConsumerThreads = C::kConsumerThreads;
+  constexpr int kStagingStride = C::kStagingStride;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);  // 1024-aligned, still shared
   dependent_launch_prologue();
@@ -719,7 +710,7 @@ __global__ void __launch_bounds__(TileConfig<TileTokens>::kThreads, TileConfig<T
   __syncthreads();
 
   if (threadIdx.x >= kConsumerThreads) {
-    setmaxnreg_dec<C::kProducerRegs>();
+    setmaxnreg_dec<kProducerRegs>();
     if (threadIdx.x == kConsumerThreads)
       producer<C>(p, maps, smem, bar_base, expert, ntile, static_cast<int>(row_start), wgmma_width<C>(valid_rows));
     return;
@@ -752,7 +743,7 @@ __global__ void __launch_bounds__(TileConfig<TileTokens>::kThreads, TileConfig<T
   const int wg = ctid / 128, warp = (ctid / 32) % 4, lane = ctid % 32, g = lane / 4, t = lane % 4;
   const float alpha = p.alpha[expert];
   const int jmax = (valid_rows + 7) / 8;  // n8 chunks with valid tokens
-  consumer_sync<C::kConsumerThreads>();  // every consumer is past its last wgmma: the ring is free; tok_entry is visible
+  consumer_sync();  // every consumer is past its last wgmma: the ring is free; tok_entry is visible
 
   if (p.epilogue == Epilogue::Gemm2 && p.out == nullptr) {
     // y = alpha * acc staged as [token][kBlockN] fp32 in the (free) ring, then one bulk copy per token
@@ -773,7 +764,7 @@ __global__ void __launch_bounds__(TileConfig<TileTokens>::kThreads, TileConfig<T
       }
     }
     fence_proxy_async();  // the staging writes, before the bulk copies read them (async proxy)
-    consumer_sync<C::kConsumerThreads>();
+    consumer_sync();
     const int n0 = ntile * kBlockN;
     const int cols = min(kBlockN, p.N - n0);
     for (int tok = ctid; tok < valid_rows; tok += kConsumerThreads)
@@ -826,7 +817,7 @@ __global__ void __launch_bounds__(TileConfig<TileTokens>::kThreads, TileConfig<T
           make_float2(epilogue_scale(alpha, acc[b][4 * j + 2]), epilogue_scale(alpha, acc[b][4 * j + 3]));
     }
   }
-  consumer_sync<C::kConsumerThreads>();
+  consumer_sync();
 
   const int cols_cta = gated ? kBlockN / 2 : kBlockN;
   gemm1_epilogue<kStagingStride, kBlockN / 2, kConsumerThreads>(p, stg, expert, ntile * cols_cta, cols_cta, row_start,

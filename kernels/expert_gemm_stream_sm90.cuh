@@ -128,6 +128,7 @@ struct StreamTile {
   static_assert(kCopies * kThreads == TileRows * (kActRowBytes / 16), "activation copies split evenly");
   static_assert(kActRingOffset % 128 == 0 && kBarrierOffset % 8 == 0, "ring alignment");
 };
+static_assert(kThreads == sm90gemm::kConsumerThreads, "gemm1_epilogue's items are strided by 256 threads");
 
 struct StreamParams {
   Params base;               // shared with the wgmma kernel (n_ctas = CTAs along N)

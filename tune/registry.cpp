@@ -111,8 +111,8 @@ MoeTactic heuristic_tactic(const MoeProblem& p, int64_t T) {
     }
     return {GemmKernel::Sm90Stream, tile, 1};
   }
-  // NOTE: 256-token tiles halve the decode per flop but run one CTA per SM (nothing overlaps a CTA's
-  // fill and epilogue); measured on the H200 (docs/perf.md) they win from ~256 tokens per expert.
+  // NOTE: 256-token tiles halve the decode per flop but double the CTAs' activation bytes and halve
+  // the weight rows per CTA; measured on the H200 (docs/perf.md) they win from ~256 tokens per expert.
   if (routed < 256 * E) return {GemmKernel::Sm90Wgmma, 128, 1};
   return {GemmKernel::Sm90Wgmma, 256, 1};
 }

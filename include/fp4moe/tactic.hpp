@@ -17,8 +17,8 @@
 namespace fp4moe {
 
 enum class GemmKernel : int {
-  // sm90 wgmma kernel: 1 producer + 1-2 consumer warpgroups, weights x tokens tile, TMA ring.
-  //   128 weight rows per CTA; tile_tokens 128: 2 CTAs per SM, tile_tokens 256: 1 CTA per SM.
+  // sm90 wgmma kernel: 1 producer + 2 consumer warpgroups, weights x tokens tile, cp.async ring.
+  //   tile_tokens 128: 256 weight rows per CTA; tile_tokens 256: 128 weight rows per CTA.
   Sm90Wgmma = 0,
   // sm90 streaming kernel for few tokens per expert: mma.sync, every warp streams its own weight rows.
   Sm90Stream = 1,
