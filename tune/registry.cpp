@@ -111,9 +111,13 @@ MoeTactic heuristic_tactic(const MoeProblem& p, int64_t T) {
     }
     return {GemmKernel::Sm90Stream, tile, 1};
   }
-  // NOTE: 256-token tiles halve the decode per flop but double the CTAs' activation bytes and halve
-  // the weight rows per CTA; measured on the H200 (docs/perf.md) they win from ~256 tokens per expert.
-  if (routed < 256 * E) return {GemmKernel::Sm90Wgmma, 128, 1};
+  // NOTE: 256-token tiles halve the decode per flop but halve the weight rows per CTA, and an expert
+  // with a few rows more than a multiple of 256 pays a nearly empty tile. Measured on the H200
+  // (fp4moe bench --tactic, w4a16, docs/perf.md): at m = 256 the 128-token tile wins (deepseek-r1
+  // T = 8192 11407 vs 12074 us, gpt-oss-120b T = 8192 3209 vs 3501, llama4-scout T = 4096 1779 vs
+  // 1805, qwen3-30b-a3b T = 4096 806 vs 804); at m = 512 the 256-token tile (llama4-scout T = 8192
+  // 3116 vs 3503, qwen3-30b-a3b T = 8192 1444 vs 1463).
+  if (routed < 384 * E) return {GemmKernel::Sm90Wgmma, 128, 1};
   return {GemmKernel::Sm90Wgmma, 256, 1};
 }
 

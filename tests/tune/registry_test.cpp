@@ -119,7 +119,9 @@ TEST(Registry, HeuristicFollowsTokensPerExpert) {
   EXPECT_EQ(heuristic_tactic(ds, 481), kWgmma128);           // bucket [481, 512]: m = 16
   EXPECT_EQ(heuristic_tactic(ds, 768), kWgmma128);           // m = 24
   EXPECT_EQ(heuristic_tactic(ds, 7168), kWgmma128);          // bucket [6145, 7168]: m = 224
-  EXPECT_EQ(heuristic_tactic(ds, 7169), kWgmma256);          // bucket [7169, 8192]: m = 256
+  EXPECT_EQ(heuristic_tactic(ds, 7169), kWgmma128);          // bucket [7169, 8192]: m = 256
+  EXPECT_EQ(heuristic_tactic(ds, 10240), kWgmma128);         // bucket [8193, 10240]: m = 320
+  EXPECT_EQ(heuristic_tactic(ds, 10241), kWgmma256);         // bucket [10241, 12288]: m = 384
   EXPECT_EQ(heuristic_tactic(ds, int64_t(1) << 40), kWgmma256);
   // Few experts hit and long K: split K while the smaller GEMM keeps <= 5 CTAs per SM and >= 10 chunks
   // per split. llama4-scout shape: GEMM2 has ceil(5120 / 128) = 40 CTAs per expert, K chunks 40 and 64.
