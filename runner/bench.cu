@@ -8,6 +8,7 @@
 //   3. capture one forward in a CUDA graph; warm-up replays; then `reps` replays, each after an L2
 //      flush, each timed with its own event pair -> median, min
 //   4. an instrumented run (forward_marked, events between stages) -> stage times (median of 5)
+// The SM clock and board power are sampled (runner/clock_monitor.hpp) during step 3's replays.
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -23,6 +24,7 @@
 #include "fp4moe/format.hpp"
 #include "fp4moe/reference.hpp"
 #include "fp4moe/runner.hpp"
+#include "runner/clock_monitor.hpp"
 #include "runner/device_buffer.hpp"
 
 namespace fp4moe {
@@ -239,6 +241,13 @@ std::vector<BenchRow> bench_weights(const std::string& model, const MoeProblem& 
       wts(max_t * k * 4), out(max_t * H * 2);
   const size_t flush_bytes = size_t(256) << 20;  // > 4x the 60 MB L2
   Buffer flush(flush_bytes);
+  int dev = 0;
+  char bus_id[32] = {};
+  ck(cudaGetDevice(&dev), "cudaGetDevice");
+  ck(cudaDeviceGetPCIBusId(bus_id, sizeof(bus_id), dev), "cudaDeviceGetPCIBusId");
+  ClockMonitor clocks(bus_id);
+  if (progress && !clocks.available())
+    std::fprintf(stderr, "bench: rows without SM clock and power: %s\n", clocks.reason().c_str());
 
   std::vector<BenchRow> rows;
   for (int64_t T : tokens) {
@@ -277,7 +286,14 @@ std::vector<BenchRow> bench_weights(const std::string& model, const MoeProblem& 
       row.experts_hit = static_cast<int64_t>(std::set<int32_t>(got.begin(), got.end()).size());
     }
 
+    clocks.start();
     const std::vector<double> t_us = time_replays(*runner, stream, a, flush.ptr, flush_bytes, opt.warmup, opt.reps);
+    const ClockStats cs = clocks.stop();
+    row.clock_samples = cs.samples;
+    row.sm_clock_mhz = cs.mean_sm_mhz;
+    row.sm_clock_min_mhz = cs.min_sm_mhz;
+    row.power_w = cs.mean_power_w;
+    row.power_capped = cs.power_capped_fraction;
     row.median_us = median(t_us);
     row.min_us = *std::min_element(t_us.begin(), t_us.end());
 
@@ -300,10 +316,14 @@ std::vector<BenchRow> bench_weights(const std::string& model, const MoeProblem& 
     row.pct_of_floor = 100.0 * row.floor_us / row.median_us;
     row.tflops = row.flops / (row.median_us * 1e-6) / 1e12;
     row.weight_tbps = row.weight_bytes / (row.median_us * 1e-6) / 1e12;
-    if (progress)
-      std::fprintf(stderr, "bench %s %s T=%lld: %.1f us (floor %.1f us, %.0f%%)\n", model.c_str(),
+    if (progress) {
+      std::string clock;
+      if (row.clock_samples > 0)
+        clock = detail::concat(", SM ", static_cast<int>(row.sm_clock_mhz), " MHz, ", static_cast<int>(row.power_w), " W");
+      std::fprintf(stderr, "bench %s %s T=%lld: %.1f us (floor %.1f us, %.0f%%%s)\n", model.c_str(),
                    std::string(to_string(p.act_quant)).c_str(), static_cast<long long>(T), row.median_us,
-                   row.floor_us, row.pct_of_floor);
+                   row.floor_us, row.pct_of_floor, clock.c_str());
+    }
     rows.push_back(row);
   }
   cudaStreamDestroy(stream);

@@ -95,15 +95,18 @@ int run_bench_command(const BenchCommandOptions& o) {
     rows = bench_weights(label, layer->problem, layer->weights(), tokens, c, opt, true);
   }
 
-  std::printf("\n%-16s %-16s %6s %5s %10s %10s %10s %7s %8s %8s | %7s %7s %7s %7s %7s %7s  %s\n", "model", "mode", "T",
-              "hit", "median_us", "min_us", "floor_us", "%floor", "TFLOP/s", "W TB/s", "route", "permute",
+  // SM MHz: the mean SM clock during the timed replays ("-" without NVML).
+  std::printf("\n%-16s %-16s %6s %5s %10s %10s %10s %7s %8s %8s %6s | %7s %7s %7s %7s %7s %7s  %s\n", "model", "mode",
+              "T", "hit", "median_us", "min_us", "floor_us", "%floor", "TFLOP/s", "W TB/s", "SM MHz", "route", "permute",
               "quant", "gemm1", "gemm2", "final", "tactic");
-  for (const BenchRow& r : rows)
-    std::printf("%-16s %-16s %6lld %5lld %10.1f %10.1f %10.1f %6.1f%% %8.1f %8.2f | %7.1f %7.1f %7.1f %7.1f %7.1f %7.1f  %s\n",
+  for (const BenchRow& r : rows) {
+    const std::string mhz = r.clock_samples > 0 ? std::to_string(static_cast<int>(r.sm_clock_mhz + 0.5)) : "-";
+    std::printf("%-16s %-16s %6lld %5lld %10.1f %10.1f %10.1f %6.1f%% %8.1f %8.2f %6s | %7.1f %7.1f %7.1f %7.1f %7.1f %7.1f  %s\n",
                 r.model.c_str(), std::string(to_string(r.mode)).c_str(), static_cast<long long>(r.tokens),
                 static_cast<long long>(r.experts_hit), r.median_us, r.min_us, r.floor_us, r.pct_of_floor, r.tflops,
-                r.weight_tbps, r.stages.route_us, r.stages.permute_us, r.stages.quantize_us, r.stages.gemm1_us,
-                r.stages.gemm2_us, r.stages.finalize_us, r.tactic.c_str());
+                r.weight_tbps, mhz.c_str(), r.stages.route_us, r.stages.permute_us, r.stages.quantize_us,
+                r.stages.gemm1_us, r.stages.gemm2_us, r.stages.finalize_us, r.tactic.c_str());
+  }
 
   if (!o.json.empty()) {
     nlohmann::json j;
@@ -111,15 +114,23 @@ int run_bench_command(const BenchCommandOptions& o) {
     j["sm_count"] = c.sm_count;
     j["ceilings"] = {{"copy_tbps", c.copy_tbps}, {"bf16_tflops", c.bf16_tflops}};
     j["rows"] = nlohmann::json::array();
-    for (const BenchRow& r : rows)
-      j["rows"].push_back({{"model", r.model}, {"mode", std::string(to_string(r.mode))}, {"tokens", r.tokens},
-                           {"experts_hit", r.experts_hit}, {"median_us", r.median_us}, {"min_us", r.min_us},
-                           {"floor_us", r.floor_us}, {"pct_of_floor", r.pct_of_floor}, {"tflops", r.tflops},
-                           {"weight_tbps", r.weight_tbps}, {"weight_bytes", r.weight_bytes}, {"flops", r.flops},
-                           {"tactic", r.tactic},
-                           {"stages_us", {{"route", r.stages.route_us}, {"permute", r.stages.permute_us},
-                                          {"quantize", r.stages.quantize_us}, {"gemm1", r.stages.gemm1_us},
-                                          {"gemm2", r.stages.gemm2_us}, {"finalize", r.stages.finalize_us}}}});
+    for (const BenchRow& r : rows) {
+      nlohmann::json row = {{"model", r.model}, {"mode", std::string(to_string(r.mode))}, {"tokens", r.tokens},
+                            {"experts_hit", r.experts_hit}, {"median_us", r.median_us}, {"min_us", r.min_us},
+                            {"floor_us", r.floor_us}, {"pct_of_floor", r.pct_of_floor}, {"tflops", r.tflops},
+                            {"weight_tbps", r.weight_tbps}, {"weight_bytes", r.weight_bytes}, {"flops", r.flops},
+                            {"tactic", r.tactic},
+                            {"stages_us", {{"route", r.stages.route_us}, {"permute", r.stages.permute_us},
+                                           {"quantize", r.stages.quantize_us}, {"gemm1", r.stages.gemm1_us},
+                                           {"gemm2", r.stages.gemm2_us}, {"finalize", r.stages.finalize_us}}}};
+      // null without NVML: no number stands in for a measurement that was not made
+      row["clock"] = r.clock_samples > 0
+                         ? nlohmann::json{{"samples", r.clock_samples}, {"sm_mhz", r.sm_clock_mhz},
+                                          {"sm_min_mhz", r.sm_clock_min_mhz}, {"power_w", r.power_w},
+                                          {"power_capped_fraction", r.power_capped}}
+                         : nlohmann::json(nullptr);
+      j["rows"].push_back(row);
+    }
     std::ofstream f(o.json);
     check(static_cast<bool>(f), "--json: cannot write '", o.json, "'");
     f << j.dump(2) << "\n";
@@ -128,12 +139,16 @@ int run_bench_command(const BenchCommandOptions& o) {
     std::ofstream f(o.csv);
     check(static_cast<bool>(f), "--csv: cannot write '", o.csv, "'");
     f << "model,mode,tokens,experts_hit,median_us,min_us,floor_us,pct_of_floor,tflops,weight_tbps,route_us,"
-         "permute_us,quantize_us,gemm1_us,gemm2_us,finalize_us,tactic\n";
-    for (const BenchRow& r : rows)
+         "permute_us,quantize_us,gemm1_us,gemm2_us,finalize_us,tactic,sm_mhz,power_w\n";
+    for (const BenchRow& r : rows) {
       f << r.model << ',' << to_string(r.mode) << ',' << r.tokens << ',' << r.experts_hit << ',' << r.median_us << ','
         << r.min_us << ',' << r.floor_us << ',' << r.pct_of_floor << ',' << r.tflops << ',' << r.weight_tbps << ','
         << r.stages.route_us << ',' << r.stages.permute_us << ',' << r.stages.quantize_us << ','
-        << r.stages.gemm1_us << ',' << r.stages.gemm2_us << ',' << r.stages.finalize_us << ',' << r.tactic << '\n';
+        << r.stages.gemm1_us << ',' << r.stages.gemm2_us << ',' << r.stages.finalize_us << ',' << r.tactic << ',';
+      if (r.clock_samples > 0) f << r.sm_clock_mhz << ',' << r.power_w;
+      else f << ',';  // empty fields without NVML
+      f << '\n';
+    }
   }
   return 0;
 }

@@ -55,6 +55,10 @@ struct BenchRow {
   double weight_tbps = 0;     // weight_bytes / median
   std::string tactic;         // describe() of the tactic the runner used
   StageTimes stages;
+  // During the timed replays (NVML, sampled every 1 ms; clock_samples = 0 when NVML is unavailable):
+  // mean and min SM clock, mean board power, and the fraction of samples under the software power cap.
+  int clock_samples = 0;
+  double sm_clock_mhz = 0, sm_clock_min_mhz = 0, power_w = 0, power_capped = 0;
 };
 
 // One runner per model (prepared once with random NVFP4 weights), one row per token count.
