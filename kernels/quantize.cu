@@ -9,11 +9,11 @@
 //
 // gather_quantize_kernel: one CTA per token t (its k row offsets and per-copy scales in shared memory,
 // top_k <= 32): x = hidden[t] is read once and written to the k permuted rows entry_to_row[t*k + j].
-// w4a16 writes x (times
-// bf16(w[entry]) rounded to bf16 when scale_by_weight), w4a4 the q*sf values of NVFP4(x) with
-// input_scale[0] (scalar mode: quantized once for the k copies) or input_scale[topk_ids[entry]]
-// (per-expert mode: quantized per copy) — q*sf is exact in bf16. Entries whose expert id is out of
-// range take a NaN scale in per-expert mode (the token is poisoned; memory stays safe).
+// w4a16 writes x (times bf16(w[entry]) rounded to bf16 when scale_by_weight), w4a4 the q*sf values
+// of NVFP4(x) with input_scale[0] (scalar mode: quantized once for the k copies) or
+// input_scale[topk_ids[entry]] (per-expert mode: quantized per copy) — q*sf is exact in bf16. Entries
+// whose expert id is out of range take a NaN scale in per-expert mode (the token is poisoned; memory
+// stays safe).
 // NOTE: the permuted rows of one token lie in k different experts; reading hidden per permuted row
 // read every token k times from HBM (hidden is larger than L2 at prefill sizes).
 #include <cuda_bf16.h>
