@@ -70,7 +70,7 @@ inline bool tactic_valid(const MoeProblem& problem, const MoeTactic& tactic) {
 //              valid, keeps experts_hit * ceil(min(w13 rows, H) / 128) * split_k <= 5 * 132 CTAs
 //              (experts_hit = min(E, R * k)) and leaves >= 10 chunks of 128 per split in both
 //              GEMMs, else 1;
-//   m < 256:   sm90_wgmma t128;
+//   m < 384:   sm90_wgmma t128;
 //   else:      sm90_wgmma t256.
 // Always valid for the problem. Throws fp4moe::Error for T < 0.
 MoeTactic heuristic_tactic(const MoeProblem& problem, int64_t T);
