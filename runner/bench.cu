@@ -288,12 +288,7 @@ std::vector<BenchRow> bench_weights(const std::string& model, const MoeProblem& 
 
     clocks.start();
     const std::vector<double> t_us = time_replays(*runner, stream, a, flush.ptr, flush_bytes, opt.warmup, opt.reps);
-    const ClockStats cs = clocks.stop();
-    row.clock_samples = cs.samples;
-    row.sm_clock_mhz = cs.mean_sm_mhz;
-    row.sm_clock_min_mhz = cs.min_sm_mhz;
-    row.power_w = cs.mean_power_w;
-    row.power_capped = cs.power_capped_fraction;
+    row.clock = clocks.stop();
     row.median_us = median(t_us);
     row.min_us = *std::min_element(t_us.begin(), t_us.end());
 
@@ -318,8 +313,9 @@ std::vector<BenchRow> bench_weights(const std::string& model, const MoeProblem& 
     row.weight_tbps = row.weight_bytes / (row.median_us * 1e-6) / 1e12;
     if (progress) {
       std::string clock;
-      if (row.clock_samples > 0)
-        clock = detail::concat(", SM ", static_cast<int>(row.sm_clock_mhz), " MHz, ", static_cast<int>(row.power_w), " W");
+      if (row.clock.samples > 0)
+        clock = detail::concat(", SM ", static_cast<int>(row.clock.mean_sm_mhz), " MHz, ",
+                               static_cast<int>(row.clock.mean_power_w), " W");
       std::fprintf(stderr, "bench %s %s T=%lld: %.1f us (floor %.1f us, %.0f%%%s)\n", model.c_str(),
                    std::string(to_string(p.act_quant)).c_str(), static_cast<long long>(T), row.median_us,
                    row.floor_us, row.pct_of_floor, clock.c_str());

@@ -16,19 +16,14 @@
 #include <thread>
 #include <vector>
 
+#include "fp4moe/bench.hpp"  // ClockStats
+
 namespace fp4moe {
 
 struct ClockSample {
   double sm_mhz = 0;
   double power_w = 0;         // NVML's board power (averaged by the driver over its own window)
   bool power_capped = false;  // the clock was held down by the software power cap at this sample
-};
-
-struct ClockStats {
-  int samples = 0;  // 0: no measurement (monitor unavailable, or the window was shorter than a period)
-  double mean_sm_mhz = 0, min_sm_mhz = 0, max_sm_mhz = 0;
-  double mean_power_w = 0, max_power_w = 0;
-  double power_capped_fraction = 0;  // of the samples
 };
 
 // Mean, min and max over the samples; all zero for none.

@@ -100,7 +100,7 @@ int run_bench_command(const BenchCommandOptions& o) {
               "T", "hit", "median_us", "min_us", "floor_us", "%floor", "TFLOP/s", "W TB/s", "SM MHz", "route", "permute",
               "quant", "gemm1", "gemm2", "final", "tactic");
   for (const BenchRow& r : rows) {
-    const std::string mhz = r.clock_samples > 0 ? std::to_string(static_cast<int>(r.sm_clock_mhz + 0.5)) : "-";
+    const std::string mhz = r.clock.samples > 0 ? std::to_string(static_cast<int>(r.clock.mean_sm_mhz + 0.5)) : "-";
     std::printf("%-16s %-16s %6lld %5lld %10.1f %10.1f %10.1f %6.1f%% %8.1f %8.2f %6s | %7.1f %7.1f %7.1f %7.1f %7.1f %7.1f  %s\n",
                 r.model.c_str(), std::string(to_string(r.mode)).c_str(), static_cast<long long>(r.tokens),
                 static_cast<long long>(r.experts_hit), r.median_us, r.min_us, r.floor_us, r.pct_of_floor, r.tflops,
@@ -124,11 +124,11 @@ int run_bench_command(const BenchCommandOptions& o) {
                                            {"quantize", r.stages.quantize_us}, {"gemm1", r.stages.gemm1_us},
                                            {"gemm2", r.stages.gemm2_us}, {"finalize", r.stages.finalize_us}}}};
       // null without NVML: no number stands in for a measurement that was not made
-      row["clock"] = r.clock_samples > 0
-                         ? nlohmann::json{{"samples", r.clock_samples}, {"sm_mhz", r.sm_clock_mhz},
-                                          {"sm_min_mhz", r.sm_clock_min_mhz}, {"power_w", r.power_w},
-                                          {"power_capped_fraction", r.power_capped}}
-                         : nlohmann::json(nullptr);
+      const ClockStats& cl = r.clock;
+      row["clock"] = cl.samples > 0 ? nlohmann::json{{"samples", cl.samples}, {"sm_mhz", cl.mean_sm_mhz},
+                                                     {"sm_min_mhz", cl.min_sm_mhz}, {"power_w", cl.mean_power_w},
+                                                     {"power_capped_fraction", cl.power_capped_fraction}}
+                                    : nlohmann::json(nullptr);
       j["rows"].push_back(row);
     }
     std::ofstream f(o.json);
@@ -145,7 +145,7 @@ int run_bench_command(const BenchCommandOptions& o) {
         << r.min_us << ',' << r.floor_us << ',' << r.pct_of_floor << ',' << r.tflops << ',' << r.weight_tbps << ','
         << r.stages.route_us << ',' << r.stages.permute_us << ',' << r.stages.quantize_us << ','
         << r.stages.gemm1_us << ',' << r.stages.gemm2_us << ',' << r.stages.finalize_us << ',' << r.tactic << ',';
-      if (r.clock_samples > 0) f << r.sm_clock_mhz << ',' << r.power_w;
+      if (r.clock.samples > 0) f << r.clock.mean_sm_mhz << ',' << r.clock.mean_power_w;
       else f << ',';  // empty fields without NVML
       f << '\n';
     }

@@ -36,6 +36,14 @@ struct BenchOptions {
   bool refcheck = true;             // check each row's first tokens against the CPU reference (throws on a mismatch)
 };
 
+// The SM clock and board power of one GPU over a window (NVML samples, runner/clock_monitor.hpp).
+struct ClockStats {
+  int samples = 0;  // 0: no measurement (NVML unavailable, or the window was shorter than a period)
+  double mean_sm_mhz = 0, min_sm_mhz = 0, max_sm_mhz = 0;
+  double mean_power_w = 0, max_power_w = 0;
+  double power_capped_fraction = 0;  // of the samples: the clock held down by the software power cap
+};
+
 struct StageTimes {
   double route_us = 0, permute_us = 0, quantize_us = 0, gemm1_us = 0, gemm2_us = 0, finalize_us = 0;
 };
@@ -55,10 +63,7 @@ struct BenchRow {
   double weight_tbps = 0;     // weight_bytes / median
   std::string tactic;         // describe() of the tactic the runner used
   StageTimes stages;
-  // During the timed replays (NVML, sampled every 1 ms; clock_samples = 0 when NVML is unavailable):
-  // mean and min SM clock, mean board power, and the fraction of samples under the software power cap.
-  int clock_samples = 0;
-  double sm_clock_mhz = 0, sm_clock_min_mhz = 0, power_w = 0, power_capped = 0;
+  ClockStats clock;           // during the timed replays (sampled every 1 ms)
 };
 
 // One runner per model (prepared once with random NVFP4 weights), one row per token count.
