@@ -16,6 +16,7 @@
 #include <atomic>
 #include <climits>
 #include <cstdint>
+#include <utility>
 
 #include "kernels/expert_gemm_common.cuh"
 #include "kernels/expert_gemm_sm90.cuh"
@@ -79,10 +80,12 @@ cudaError_t make_maps(const sm90gemm::Params& p, sm90gemm::TmaMaps& maps) {
   const cuuint64_t act_dims[2] = {static_cast<cuuint64_t>(p.K), static_cast<cuuint64_t>(p.rows)};
   const cuuint64_t act_strides[1] = {static_cast<cuuint64_t>(p.K) * 2};
   const cuuint32_t act_box[2] = {64, static_cast<cuuint32_t>(C::kActBoxRows)};  // 128 B x box rows
-  if (cudaError_t e = encode_map(maps.act, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, p.a, act_dims, act_strides, act_box,
-                                 CU_TENSOR_MAP_SWIZZLE_128B);
-      e != cudaSuccess)
-    return e;
+  const cuuint32_t act_tile_box[2] = {64, static_cast<cuuint32_t>(C::kTileRows)};  // 128 B x tile rows
+  for (auto [map, box] : {std::pair{&maps.act, act_box}, std::pair{&maps.act_tile, act_tile_box}})
+    if (cudaError_t e = encode_map(*map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, p.a, act_dims, act_strides, box,
+                                   CU_TENSOR_MAP_SWIZZLE_128B);
+        e != cudaSuccess)
+      return e;
   // Weights and scales as 32-bit words: 128 (weights) or 16 (scales) words per (group, chunk).
   const cuuint64_t chunks = static_cast<cuuint64_t>(p.chunks), groups = static_cast<cuuint64_t>(p.groups);
   const cuuint64_t experts = static_cast<cuuint64_t>(p.num_experts);

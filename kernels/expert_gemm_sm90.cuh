@@ -187,7 +187,8 @@ __device__ __forceinline__ void bulk_store_commit_and_wait_read() {  // the shar
 // ---- bulk tensor copies (TMA) -----------------------------------------------------------------------
 // The maps of one launch (encoded on the host, expert_gemm.cu), passed as a __grid_constant__ parameter.
 struct TmaMaps {
-  CUtensorMap act;    // a [rows][K] bf16, box [tile rows][64], 128-byte swizzle
+  CUtensorMap act;    // a [rows][K] bf16, box [kActBoxRows][64], 128-byte swizzle
+  CUtensorMap act_tile;  // the same with box [kTileRows][64]: one copy per slab for a full-width tile
   CUtensorMap w;      // prepacked weights: gated (5-D) [E][2 halves][N/16 groups][chunks][512 B],
                       //   else (4-D) [E][N/8 groups][chunks][512 B]; box = the CTA's slots of one chunk
   CUtensorMap scale;  // the same over the prepacked scales (64 B per group and chunk)
@@ -526,6 +527,7 @@ __device__ __forceinline__ void producer(const Params& p, const TmaMaps& maps, u
   const int boxes = (width + kBox - 1) / kBox;  // per slab
   const uint32_t stage_bytes = static_cast<uint32_t>(2 * boxes * kBox * 128 + C::kWeightBytes + C::kScaleBytes);
   tma_prefetch(&maps.act);
+  tma_prefetch(&maps.act_tile);
   tma_prefetch(&maps.w);
   tma_prefetch(&maps.scale);
   int s = 0, phase = 0;  // stage of chunk kt, and the parity of its `empty` barrier's next completion
@@ -537,9 +539,14 @@ __device__ __forceinline__ void producer(const Params& p, const TmaMaps& maps, u
     const uint32_t s_base = w_base + C::kWeightBytes;                // (kSlots, 64 B)
     mbar_arrive_expect_tx(full, stage_bytes);  // out-of-bounds parts of a box count as well
     const int kcol = kt * fp4layout::kChunkK;
-    for (int bx = 0; bx < boxes; ++bx) {  // (box rows, 128 B) at row bx * kBox of each slab
-      tma_load_2d(act_base + bx * kBox * 128, &maps.act, full, kcol, row_start + bx * kBox);
-      tma_load_2d(act_base + C::kSlabBytes + bx * kBox * 128, &maps.act, full, kcol + 64, row_start + bx * kBox);
+    if (width == C::kTileRows) {  // NOTE: a full-width tile in one copy per slab (fewer, larger TMA requests)
+      tma_load_2d(act_base, &maps.act_tile, full, kcol, row_start);
+      tma_load_2d(act_base + C::kSlabBytes, &maps.act_tile, full, kcol + 64, row_start);
+    } else {
+      for (int bx = 0; bx < boxes; ++bx) {  // (box rows, 128 B) at row bx * kBox of each slab
+        tma_load_2d(act_base + bx * kBox * 128, &maps.act, full, kcol, row_start + bx * kBox);
+        tma_load_2d(act_base + C::kSlabBytes + bx * kBox * 128, &maps.act, full, kcol + 64, row_start + bx * kBox);
+      }
     }
     if (gated) {  // (expert, half, group pair, chunk): slots [gate groups][up groups]
       tma_load_5d(w_base, &maps.w, full, 0, kt, ntile * (kSlots / 2), 0, expert);
