@@ -145,7 +145,10 @@ cudaError_t launch_gemm1_act(const Gemm1Args& args, cudaStream_t stream) {
   if (stream_tactic(args.tactic))
     return launch_gemm1_act_stream(args, args.tactic.tile_tokens, args.tactic.split_k, stream);
   sm90gemm::Params p;
-  if (!wgmma_tactic(args.tactic) || !gemm_detail::gemm1_params(args, p)) return cudaErrorInvalidValue;
+  // NOTE: the wgmma kernel's bulk tensor copies read whole row boxes of a permuted `a`; a gathered
+  // activation (a_row_to_entry) is the streaming kernel's only.
+  if (!wgmma_tactic(args.tactic) || args.a_row_to_entry || !gemm_detail::gemm1_params(args, p))
+    return cudaErrorInvalidValue;
   return launch(p, args.tactic, p.epilogue == sm90gemm::Epilogue::Gemm1Gated, p.out_cols, stream);
 }
 
@@ -153,7 +156,9 @@ cudaError_t launch_gemm2(const Gemm2Args& args, cudaStream_t stream) {
   if (stream_tactic(args.tactic))
     return launch_gemm2_stream(args, args.tactic.tile_tokens, args.tactic.split_k, stream);
   sm90gemm::Params p;
-  if (!wgmma_tactic(args.tactic) || !gemm_detail::gemm2_params(args, p)) return cudaErrorInvalidValue;
+  // NOTE: the fused top-k finalize (finalize_counters) is the streaming kernel's only.
+  if (!wgmma_tactic(args.tactic) || args.finalize_counters || !gemm_detail::gemm2_params(args, p))
+    return cudaErrorInvalidValue;
   return launch(p, args.tactic, false, args.N, stream);
 }
 

@@ -72,6 +72,7 @@ inline bool gemm1_params(const Gemm1Args& args, sm90gemm::Params& p) {
   const bool gated = args.activation.kind != Activation::Relu2;
   if (gated && args.N % 32 != 0) return false;  // I = N/2 must be a multiple of 16
   const bool quantize = args.mode != ActQuant::W4A16;
+  if (args.a_row_to_entry && args.a_top_k < 1) return false;
   if (args.max_tiles > 0) {
     if (!args.act || !aligned(args.act, 16)) return false;
     if (quantize && !args.act_scale) return false;
@@ -83,6 +84,8 @@ inline bool gemm1_params(const Gemm1Args& args, sm90gemm::Params& p) {
   p.act_scale = args.act_scale;
   p.act_out = args.act;
   p.out_cols = static_cast<int>(gated ? args.N / 2 : args.N);  // I
+  p.a_row_to_entry = args.a_row_to_entry;
+  p.a_top_k = args.a_top_k;
   return true;
 }
 
@@ -98,6 +101,12 @@ inline bool gemm2_params(const Gemm2Args& args, sm90gemm::Params& p) {
   p.out = args.out;
   p.out_weights = args.out_weights;
   p.out_cols = static_cast<int>(args.N);
+  if (args.finalize_counters) {  // the fused finalize writes y and out (16-byte stores of 8 bf16)
+    if (args.finalize_top_k < 2) return false;
+    if (args.max_tiles > 0 && (!args.y || !args.out || !aligned(args.out, 16))) return false;
+    p.fin_counters = args.finalize_counters;
+    p.fin_top_k = args.finalize_top_k;
+  }
   return true;
 }
 

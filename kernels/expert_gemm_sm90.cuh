@@ -142,13 +142,17 @@ struct Params {
   ActivationParams act;
   int quantize;                    // 0: bf16(act), 1: NVFP4 q*sf with act_scale[e]
   const float* act_scale;          // [E]
-  __nv_bfloat16* act_out;          // [rows, out_cols]
+  __nv_bfloat16* act_out;          // [T*k rows, out_cols]
   int out_cols;                    // I (GEMM1)
+  const int32_t* a_row_to_entry;   // streaming GEMM1 only: GEMM row r reads a[a_row_to_entry[r] / a_top_k]
+  int a_top_k;                     //   (a un-permuted, [T, K]); nullptr: row r reads a[r]
   // GEMM2
   const int32_t* row_to_entry;     // [rows]
   float* y;                        // [entries, N]
   __nv_bfloat16* out;              // top-1 only: [entries, N] finalized bf16 output instead of y
   const float* out_weights;        // [entries] finalize weights, or nullptr for unit weights
+  int32_t* fin_counters;           // streaming GEMM2 only, top_k >= 2: [T][n_ctas] arrival counters of the
+  int fin_top_k;                   //   fused finalize (y and out both written); nullptr: no fused finalize
 };
 
 // ---- PTX wrappers -----------------------------------------------------------------------------------

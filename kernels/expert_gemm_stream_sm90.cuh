@@ -25,7 +25,8 @@
 // Steps, per CTA:
 //   1. Initialise the mbarriers; issue the copies of the first kPrefetch chunks (weights: 2 x 16 B +
 //      2 x 8 B per lane; activations: one or two 16-byte cp.async per thread, zero-filled past the
-//      tile's rows and past K, nothing past a row is read).
+//      tile's rows and past K, nothing past a row is read). GEMM1 with a_row_to_entry (the gather
+//      fused): tile row r is copied from the un-permuted activation row a_row_to_entry[r] / a_top_k.
 //   2. Per chunk kc (see mainloop): refill chunk kc + kPrefetch, wait for chunk kc's weights (own
 //      copies) and activations (full[]), then per word q (k16 steps 2q, 2q+1): decode_word +
 //      decode_scale_pair + bf16x2 multiplies -> A fragments (rows g / g+8), ldmatrix (x4: both n8
@@ -37,7 +38,8 @@
 //        GEMM1: staged through shared memory [128 rows][kStgStride] fp32 (gated: gate i at row i, up i
 //               at row 64 + i; relu2: weight row n at row n), then sm90gemm::gemm1_epilogue's items
 //               (token, 16 columns): activation, bf16 or NVFP4 fake-quantization, as the wgmma kernel.
-//        GEMM2: fp32 y[row_to_entry[row] * N + n] from the registers, or the top-1 fused finalize.
+//        GEMM2: fp32 y[row_to_entry[row] * N + n] from the registers, or the top-1 fused finalize;
+//               with fin_counters (top_k >= 2) y and then the fused finalize of gemm2_finalize_tile.
 //
 // Shapes (PTX ISA mma.m16n8k16 .row.col .bf16, f32 accumulators; lane = 4g + t):
 //   A 16x16 (weights, registers): a0 = row g cols 2t..2t+1, a1 = row g+8, a2 = row g cols 2t+8.., a3
@@ -318,6 +320,53 @@ __device__ __forceinline__ void mainloop(const Params& p, uint32_t smem_base, co
   sm90gemm::cp_async_wait<0>();  // only empty groups can be pending; the rings may be reused after this
 }
 
+// ---- GEMM2 with the finalize fused (top_k >= 2) --------------------------------------------------------
+// After this CTA's y stores: each valid row arrives on the counter of (its token, this N tile); the CTA
+// that brings a counter to top_k resets it and finalizes that token over the tile's columns,
+// out = bf16(sum_j w_j * y_j) with slots j in order and __fmul_rn / __fadd_rn from 0: finalize.cu's
+// arithmetic, bit for bit. s_token: [kTileRows] shared ints.
+// NOTE (ordering): the fence + counter hand-off of the split-K path. Every thread fences its own y
+// stores before the CTA barrier that precedes the arrivals; the last CTA fences after observing the
+// count and reads the other CTAs' y through L2 (__ldcg), never a stale L1 line. A token's rows lie in
+// different tiles (different experts) or in this one; either way each row arrives exactly once.
+__device__ __forceinline__ void gemm2_finalize_tile(const Params& p, int ntile, int64_t row_start, int valid_rows,
+                                                    int32_t* s_token) {
+  __threadfence();
+  __syncthreads();
+  const int tid = threadIdx.x, k = p.fin_top_k;
+  if (tid < valid_rows) {
+    const int32_t token = p.row_to_entry[row_start + tid] / k;
+    int32_t* counter = p.fin_counters + static_cast<int64_t>(token) * p.n_ctas + ntile;
+    const bool last = atomicAdd(counter, 1) == k - 1;
+    if (last) *counter = 0;  // every row of the token has arrived: ready for the next launch
+    s_token[tid] = last ? token : -1;
+  }
+  __syncthreads();
+  __threadfence();  // acquire side of the counters
+  constexpr int kItems = kRowsPerCta / 8;  // 8 output columns per item
+  const int n0 = ntile * kRowsPerCta;
+  for (int it = tid; it < valid_rows * kItems; it += kThreads) {
+    const int32_t token = s_token[it / kItems];
+    const int n = n0 + (it % kItems) * 8;
+    if (token < 0 || n >= p.N) continue;  // N % 16 == 0: an item is wholly in or out
+    float acc[8];
+#pragma unroll
+    for (int q = 0; q < 8; ++q) acc[q] = 0.0f;
+    for (int j = 0; j < k; ++j) {
+      const int64_t entry = static_cast<int64_t>(token) * k + j;
+      const float w = p.out_weights != nullptr ? p.out_weights[entry] : 1.0f;
+      const float4* src = reinterpret_cast<const float4*>(p.y + entry * p.N + n);
+      const float4 y0 = __ldcg(src), y1 = __ldcg(src + 1);
+      const float y[8] = {y0.x, y0.y, y0.z, y0.w, y1.x, y1.y, y1.z, y1.w};
+#pragma unroll
+      for (int q = 0; q < 8; ++q) acc[q] = __fadd_rn(acc[q], __fmul_rn(w, y[q]));
+    }
+    *reinterpret_cast<uint4*>(p.out + static_cast<int64_t>(token) * p.N + n) =
+        make_uint4(sm90gemm::pack_bf16x2(acc[0], acc[1]), sm90gemm::pack_bf16x2(acc[2], acc[3]),
+                   sm90gemm::pack_bf16x2(acc[4], acc[5]), sm90gemm::pack_bf16x2(acc[6], acc[7]));
+  }
+}
+
 // ---- kernel -------------------------------------------------------------------------------------------
 // kGemm2: GEMM2 epilogue (y or the fused top-1 finalize); otherwise GEMM1 (gated or relu2, at run time).
 template <bool kGemm2, int TileRows>
@@ -346,7 +395,9 @@ __global__ void __launch_bounds__(kThreads, StreamTile<TileRows>::kCtasPerSm) ex
 #pragma unroll
     for (int i = 0; i < C::kCopies; ++i) {
       const int arow = threadIdx.x / 16 + 16 * i;
-      a_src[i] = arow < valid_rows ? p.a + (row_start + arow) * static_cast<int64_t>(p.K) : nullptr;
+      int64_t src_row = row_start + arow;  // GEMM1 with the gather fused: the token of the row's entry
+      if (!kGemm2 && p.a_row_to_entry != nullptr && arow < valid_rows) src_row = p.a_row_to_entry[src_row] / p.a_top_k;
+      a_src[i] = arow < valid_rows ? p.a + src_row * static_cast<int64_t>(p.K) : nullptr;
     }
   }
 
@@ -442,7 +493,7 @@ __global__ void __launch_bounds__(kThreads, StreamTile<TileRows>::kCtasPerSm) ex
         if (tok < valid_rows && n < p.N) {
           const int64_t entry = p.row_to_entry[row_start + tok];
           const float y = sm90gemm::epilogue_scale(alpha, acc[h][r]);
-          if (p.out != nullptr) {  // top-1: finalize's arithmetic, 0 + w * y, then bf16
+          if (p.out != nullptr && p.fin_counters == nullptr) {  // top-1: finalize's arithmetic, 0 + w * y, bf16
             const float w = p.out_weights != nullptr ? p.out_weights[entry] : 1.0f;
             p.out[entry * p.N + n] = __float2bfloat16_rn(__fadd_rn(0.0f, __fmul_rn(w, y)));
           } else {
@@ -450,6 +501,10 @@ __global__ void __launch_bounds__(kThreads, StreamTile<TileRows>::kCtasPerSm) ex
           }
         }
       }
+    if (p.fin_counters != nullptr) {
+      __shared__ int32_t s_token[kTileRows];
+      gemm2_finalize_tile(p, ntile, row_start, valid_rows, s_token);
+    }
   } else {
     // Staging tile stg[row][token] (fp32): gated: gate column 8w+g at row 8w+g, its up column at row
     // 64 + 8w + g; relu2: weight row 16w+g (+8) at the same row. It overlays the weight ring.

@@ -39,6 +39,13 @@ struct RouteArgs {
   RoutingParams params;          // method != Precomputed
   int32_t* topk_ids = nullptr;   // [T, k]
   float* topk_weights = nullptr; // [T, k]
+  // Optional, W4A4 with a scalar input scale: the route kernel also writes each token's row of hidden
+  // fake-quantized to NVFP4 (q * sf in bf16, gather_quantize's scalar arithmetic) to quant_out: the
+  // operand that the streaming GEMM1 gathers per entry (Gemm1Args::a_row_to_entry).
+  __nv_bfloat16* quant_out = nullptr;     // [T, H] or nullptr
+  const __nv_bfloat16* hidden = nullptr;  // [T, H], 16-byte aligned
+  int hidden_size = 0;                    // H, a multiple of 16
+  const float* input_scale = nullptr;     // [1] a1 (dequant direction)
 };
 cudaError_t launch_route(const RouteArgs& args, cudaStream_t stream);
 
@@ -61,6 +68,10 @@ struct PermuteArgs {
   int32_t* tile_row_start = nullptr;  // [max_tiles]
   int32_t* num_tiles = nullptr;       // [1]
   void* scratch = nullptr;            // permute_scratch_bytes(T*k, E) bytes
+  // Also set to zero by the launch (its one-block kernel), for a later kernel of the forward: e.g.
+  // GEMM2's fused-finalize counters. Costs no launch of its own.
+  int32_t* zero_words = nullptr;      // [zero_count]
+  int64_t zero_count = 0;
 };
 inline int64_t max_tiles(int64_t num_entries, int64_t num_experts, int64_t tile_rows) {
   return (num_entries + tile_rows - 1) / tile_rows + (num_entries < num_experts ? num_entries : num_experts);
@@ -121,7 +132,7 @@ PrepackedWeights prepack_expert_weights(const uint8_t* w, const uint8_t* w_scale
 
 // Shared by GEMM1 and GEMM2: rows of expert e are [expert_offsets[e], expert_offsets[e+1]).
 struct ExpertGemmArgs {
-  const __nv_bfloat16* a = nullptr;       // [rows, K] permuted activations (exact bf16 values)
+  const __nv_bfloat16* a = nullptr;       // [rows, K] permuted activations (exact bf16 values; see a_row_to_entry)
   int64_t rows = 0;                       // rows of a (T*k): the bound of the wgmma kernel's copies
   const uint8_t* w = nullptr;             // prepacked weights (PrepackedWeights::weight_bytes)
   const uint8_t* w_scale = nullptr;       // prepacked scales (PrepackedWeights::scale_bytes)
@@ -156,6 +167,11 @@ struct Gemm1Args : ExpertGemmArgs {
   ActQuant mode = ActQuant::W4A16;
   const float* act_scale = nullptr;       // [E] w2_input_scale (w4a4 re-quantization), else unused
   __nv_bfloat16* act = nullptr;           // [T*k, I]
+  // Streaming kernel (sm90_stream) only, else cudaErrorInvalidValue: the gather fused into GEMM1's
+  // activation copies. `a` is then the un-permuted activation [T, K] (rows = T) and GEMM row r reads
+  // a[a_row_to_entry[r] / a_top_k] (the permute kernel's row_to_entry, entry = token * top_k + slot).
+  const int32_t* a_row_to_entry = nullptr;
+  int a_top_k = 0;                        // >= 1 with a_row_to_entry
 };
 // Runs the kernel of args.tactic (the streaming kernel for sm90_stream, with args.tactic.split_k).
 cudaError_t launch_gemm1_act(const Gemm1Args& args, cudaStream_t stream);
@@ -166,8 +182,18 @@ struct Gemm2Args : ExpertGemmArgs {
   // Top-1 routing (k == 1) may fuse finalize: with `out` set, the GEMM writes out[t] = bf16(0 + w[t] * y[t])
   // (finalize's arithmetic; w = 1 when out_weights is null) and y is not written.
   __nv_bfloat16* out = nullptr;           // [T, H] or nullptr
-  const float* out_weights = nullptr;     // [T] or nullptr (unit weights)
+  const float* out_weights = nullptr;     // [T] or nullptr (unit weights); [T, k] with finalize_counters
+  // Streaming kernel (sm90_stream) only, else cudaErrorInvalidValue: the finalize fused for top_k >= 2.
+  // With finalize_counters, y is written as usual, and then per (token, 128-column N tile) the CTA whose
+  // row is the last of the token's finalize_top_k rows to arrive writes out[token] over that tile as
+  // launch_finalize does (slots in order, w = out_weights[token * k + slot] or 1; bit for bit). The
+  // counters, gemm2_finalize_counter_count(T, N) int32, must be zero when the launch starts; every
+  // launch leaves them zero. Every entry must have a GEMM row (ids in range).
+  int32_t* finalize_counters = nullptr;
+  int finalize_top_k = 0;
 };
+// int32 arrival counters of GEMM2's fused finalize for T tokens and N output columns.
+inline int64_t gemm2_finalize_counter_count(int64_t num_tokens, int64_t N) { return num_tokens * ((N + 127) / 128); }
 cudaError_t launch_gemm2(const Gemm2Args& args, cudaStream_t stream);
 
 // ---- streaming expert GEMMs (GemmKernel::Sm90Stream, kernels/expert_gemm_stream_sm90.cuh) ---------

@@ -162,6 +162,32 @@ __device__ __forceinline__ uint32_t fake_quantize_block16(float (&x)[kBlock], fl
   return sf;
 }
 
+// 16 bf16 (two uint4) -> 16 floats; element 2i is the low half of word i.
+__device__ __forceinline__ void load_bf16x16(const __nv_bfloat16* src, float (&v)[16]) {
+  const uint4* p = reinterpret_cast<const uint4*>(src);
+  const uint4 lo = p[0], hi = p[1];
+  const uint32_t w[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    v[2 * i] = __uint_as_float(w[i] << 16);
+    v[2 * i + 1] = __uint_as_float(w[i] & 0xFFFF0000u);
+  }
+}
+
+__device__ __forceinline__ uint32_t bf16_bits(float x) {
+  return static_cast<uint32_t>(__bfloat16_as_ushort(__float2bfloat16_rn(x)));
+}
+
+// 16 floats (exactly representable in bf16, or rounded RNE) -> two uint4 stores.
+__device__ __forceinline__ void store_bf16x16(__nv_bfloat16* dst, const float (&v)[16]) {
+  uint32_t w[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) w[i] = bf16_bits(v[2 * i]) | (bf16_bits(v[2 * i + 1]) << 16);
+  uint4* p = reinterpret_cast<uint4*>(dst);
+  p[0] = make_uint4(w[0], w[1], w[2], w[3]);
+  p[1] = make_uint4(w[4], w[5], w[6], w[7]);
+}
+
 // Dequantizes a Block16: out[i] = e2m1(q_i) * float(sf).
 __device__ __forceinline__ void dequantize_block16(const Block16& b, float (&out)[kBlock]) {
   const float sf_value = e4m3_to_float(b.sf);

@@ -6,6 +6,7 @@
 // experts: expert_offsets[E] counts the valid entries only, and those rows belong to no expert (the
 // GEMMs skip them), but row_to_entry / entry_to_row stay full permutations.
 //   one chunk (T*k <= kChunk), one launch: permute_fused_kernel does every step below in one block.
+//   Either way, the one-block kernel (fused or scan) also clears PermuteArgs::zero_words.
 //   otherwise, three launches:
 //     1. permute_count_kernel   per chunk: bucket counts -> scratch[chunk][E+1]
 //     2. permute_scan_kernel    one block: per bucket, exclusive scan over chunks (in place); bucket
@@ -165,12 +166,18 @@ __device__ void write_offsets_and_tiles(const int32_t* offsets, int num_experts,
   }
 }
 
+// PermuteArgs::zero_words, by the one block of the fused or the scan kernel.
+__device__ __forceinline__ void clear_words(const PermuteArgs& a) {
+  for (int64_t i = threadIdx.x; i < a.zero_count; i += kThreads) a.zero_words[i] = 0;
+}
+
 // ---- one chunk: everything in one block ------------------------------------------------------------
 __global__ void __launch_bounds__(kThreads) permute_fused_kernel(const PermuteArgs a) {
   dependent_launch_prologue();
   __shared__ PermuteShared sh;
   const int E = a.num_experts, nb = E + 1;
   const int64_t n = static_cast<int64_t>(a.num_tokens) * a.top_k;
+  clear_words(a);
   zero_hist(nb, sh);
   __syncthreads();
   count_runs(a.topk_ids, 0, n, E, sh);
@@ -218,6 +225,7 @@ __global__ void __launch_bounds__(kThreads) permute_scan_kernel(const PermuteArg
   dependent_launch_prologue();
   __shared__ PermuteShared sh;
   const int E = a.num_experts, nb = E + 1;
+  clear_words(a);
   int32_t* scratch = static_cast<int32_t*>(a.scratch);
   int32_t cnt[2];
 #pragma unroll
@@ -278,6 +286,7 @@ cudaError_t launch_permute(const PermuteArgs& a, cudaStream_t stream) {
   const int64_t n = static_cast<int64_t>(a.num_tokens) * a.top_k;
   if (n > INT32_MAX) return cudaErrorInvalidValue;
   if (a.expert_offsets == nullptr || a.num_tiles == nullptr) return cudaErrorInvalidValue;
+  if (a.zero_count < 0 || (a.zero_count > 0 && a.zero_words == nullptr)) return cudaErrorInvalidValue;
   if (n > 0 && (a.topk_ids == nullptr || a.row_to_entry == nullptr || a.entry_to_row == nullptr ||
                 a.tile_expert == nullptr || a.tile_row_start == nullptr))
     return cudaErrorInvalidValue;

@@ -32,32 +32,6 @@ constexpr int kThreads = 256;
 constexpr int kGatherThreads = 128;  // per token: H = 2048..7168 is 128..448 blocks of 16
 constexpr int kMaxGatherTopK = 32;   // the router's limit (kernels/route.cu)
 
-// 16 bf16 (two uint4) -> 16 floats; element 2i is the low half of word i.
-__device__ __forceinline__ void load_bf16x16(const __nv_bfloat16* src, float (&v)[16]) {
-  const uint4* p = reinterpret_cast<const uint4*>(src);
-  const uint4 lo = p[0], hi = p[1];
-  const uint32_t w[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    v[2 * i] = __uint_as_float(w[i] << 16);
-    v[2 * i + 1] = __uint_as_float(w[i] & 0xFFFF0000u);
-  }
-}
-
-__device__ __forceinline__ uint32_t bf16_bits(float x) {
-  return static_cast<uint32_t>(__bfloat16_as_ushort(__float2bfloat16_rn(x)));
-}
-
-// 16 floats (exactly representable in bf16, or rounded RNE) -> two uint4 stores.
-__device__ __forceinline__ void store_bf16x16(__nv_bfloat16* dst, const float (&v)[16]) {
-  uint32_t w[8];
-#pragma unroll
-  for (int i = 0; i < 8; ++i) w[i] = bf16_bits(v[2 * i]) | (bf16_bits(v[2 * i + 1]) << 16);
-  uint4* p = reinterpret_cast<uint4*>(dst);
-  p[0] = make_uint4(w[0], w[1], w[2], w[3]);
-  p[1] = make_uint4(w[4], w[5], w[6], w[7]);
-}
-
 // Swizzled offset of (m, k) in a [row_tiles*128, kt*4] scale matrix (one batch).
 __device__ __forceinline__ int64_t swizzled_offset(int64_t m, int64_t k, int64_t kt) {
   return (m / 128) * kt * 512 + (k / 4) * 512 + (m % 32) * 16 + ((m % 128) / 32) * 4 + k % 4;
@@ -80,7 +54,7 @@ __global__ void __launch_bounds__(kThreads)
     return;
   }
   float v[16];
-  load_bf16x16(x + m * cols + b * nvfp4::kBlock, v);
+  nvfp4::load_bf16x16(x + m * cols + b * nvfp4::kBlock, v);
   const float gs = nvfp4::global_inv_scale(*input_scale);
   const float inv_gs = __fdiv_rn(1.0f, gs);
   const nvfp4::Block16 q = nvfp4::quantize_block16(v, gs, inv_gs);
@@ -140,10 +114,10 @@ __global__ void __launch_bounds__(kGatherThreads) gather_quantize_kernel(const G
   if (a.mode == ActQuant::W4A4Scalar) scales_of(a.input_scale[0], gs, inv_gs);  // one scale for every copy
   for (int b = threadIdx.x; b < nb; b += kGatherThreads) {
     float x[16];
-    load_bf16x16(src + b * nvfp4::kBlock, x);
+    nvfp4::load_bf16x16(src + b * nvfp4::kBlock, x);
     if (!per_copy) {  // w4a4 scalar: quantized once for the k copies
       nvfp4::fake_quantize_block16(x, gs, inv_gs);
-      for (int j = 0; j < k; ++j) store_bf16x16(a.a1 + row_off[j] + b * nvfp4::kBlock, x);
+      for (int j = 0; j < k; ++j) nvfp4::store_bf16x16(a.a1 + row_off[j] + b * nvfp4::kBlock, x);
       continue;
     }
     for (int j = 0; j < k; ++j) {
@@ -159,7 +133,7 @@ __global__ void __launch_bounds__(kGatherThreads) gather_quantize_kernel(const G
         if (a.mode == ActQuant::W4A4Scalar) nvfp4::fake_quantize_block16(v, gs, inv_gs);  // weight, then quantize
         else nvfp4::fake_quantize_block16(v, copy_gs[j], copy_inv_gs[j]);
       }
-      store_bf16x16(a.a1 + row_off[j] + b * nvfp4::kBlock, v);
+      nvfp4::store_bf16x16(a.a1 + row_off[j] + b * nvfp4::kBlock, v);
     }
   }
 }

@@ -11,6 +11,8 @@
 //      slot sums in slot order by shuffles, the softmax sum over E by a warp tree) and writes it.
 // DeepSeekV3 (sigmoid + bias choice scores, group selection): route_deepseek_block_kernel, one CTA per
 // token and one thread per expert.
+// Both kernels, with RouteArgs::quant_out (scalar w4a4): last, the warp / CTA of token t writes its row
+// of hidden fake-quantized to NVFP4 (quantize_token_row).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -18,6 +20,7 @@
 
 #include "kernels/dependent_launch.cuh"
 #include "kernels/launch.hpp"
+#include "kernels/nvfp4_device.cuh"
 
 namespace fp4moe::kernels {
 namespace {
@@ -64,6 +67,23 @@ __device__ __forceinline__ int warp_argmax(uint32_t key, uint32_t id) {
   const uint32_t best = __reduce_max_sync(kFull, key);
   const uint32_t win = __reduce_min_sync(kFull, (key == best) ? id : 0xFFFFFFFFu);
   return best == kKeyNone ? -1 : static_cast<int>(win);
+}
+
+// RouteArgs::quant_out: token t's row of hidden, fake-quantized once with the scalar input scale, the
+// 16-element blocks strided over `threads` threads from `first` (the arithmetic of gather_quantize).
+// NOTE: this runs after the token's routing outputs are written, so it delays no later routing step;
+// it saves the forward a gather_quantize launch at decode sizes.
+__device__ __forceinline__ void quantize_token_row(const RouteArgs& a, int64_t t, int first, int threads) {
+  const float gs = nvfp4::global_inv_scale(a.input_scale[0]);
+  const float inv_gs = __fdiv_rn(1.0f, gs);
+  const int blocks = a.hidden_size / nvfp4::kBlock;
+  const int64_t base = t * a.hidden_size;
+  for (int b = first; b < blocks; b += threads) {
+    float x[nvfp4::kBlock];
+    nvfp4::load_bf16x16(a.hidden + base + b * nvfp4::kBlock, x);
+    nvfp4::fake_quantize_block16(x, gs, inv_gs);
+    nvfp4::store_bf16x16(a.quant_out + base + b * nvfp4::kBlock, x);
+  }
 }
 
 template <int VPT>  // values per lane: E <= 32 * VPT
@@ -162,6 +182,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
     args.topk_ids[t * k + lane] = my_id;
     args.topk_weights[t * k + lane] = __double2float_rn(w);
   }
+  if (args.quant_out != nullptr) quantize_token_row(args, t, lane, 32);
 }
 
 // DeepSeekV3 with one CTA per token and one thread per expert (blockDim = E rounded up to 32), the
@@ -268,11 +289,17 @@ __global__ void __launch_bounds__(kMaxExperts) route_deepseek_block_kernel(const
     args.topk_ids[blockIdx.x * static_cast<int64_t>(k) + e] = ids_sh[e];
     args.topk_weights[blockIdx.x * static_cast<int64_t>(k) + e] = __double2float_rn(w);
   }
+  if (args.quant_out != nullptr) quantize_token_row(args, blockIdx.x, threadIdx.x, blockDim.x);
 }
+
+bool aligned16(const void* q) { return reinterpret_cast<uintptr_t>(q) % 16 == 0; }
 
 bool route_args_valid(const RouteArgs& a) {
   const RoutingParams& p = a.params;
   if (p.method == RoutingMethod::Precomputed) return false;
+  if (a.quant_out != nullptr && (a.hidden == nullptr || a.input_scale == nullptr || a.hidden_size <= 0 ||
+                                 a.hidden_size % 16 != 0 || !aligned16(a.hidden) || !aligned16(a.quant_out)))
+    return false;
   if (a.num_tokens < 0 || a.num_experts < 1 || a.num_experts > kMaxExperts) return false;
   if (p.top_k < 1 || p.top_k > kMaxTopK || p.top_k > a.num_experts) return false;
   if (a.num_tokens > 0 && (a.logits == nullptr || a.topk_ids == nullptr || a.topk_weights == nullptr))

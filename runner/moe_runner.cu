@@ -2,6 +2,9 @@
 // plan and the launch sequence of one forward.
 //
 // forward:         route -> permute -> gather/quantize -> GEMM1+activation -> GEMM2 -> finalize
+//                  (streaming kernel, w4a16 or scalar w4a4: no gather/quantize, GEMM1 gathers the
+//                  hidden rows or the rows the route kernel quantized;
+//                  top-1, or top-k on the streaming kernel: no finalize, GEMM2 writes the output)
 // forward_routed:  validate ids -> permute -> ...            (same from permute on)
 //
 // Every launch is asynchronous on the caller's stream; nothing here synchronises or allocates after
@@ -61,7 +64,7 @@ constexpr int kMinTileRows = 16;
 // Offsets of the workspace regions for a given max token count.
 struct WorkspacePlan {
   size_t expert_offsets, row_to_entry, entry_to_row, tile_expert, tile_row_start, num_tiles;
-  size_t permute_scratch, a1, act, y, error_count, split1, split2;
+  size_t permute_scratch, a1, act, y, error_count, split1, split2, finalize_counters;
   size_t total;
   int64_t max_tiles;
 
@@ -85,6 +88,7 @@ struct WorkspacePlan {
     error_count = take(sizeof(int32_t));
     split1 = take(split1_bytes);
     split2 = take(split2_bytes);
+    finalize_counters = take(sizeof(int32_t) * kernels::gemm2_finalize_counter_count(max_tokens, p.hidden));
     total = at;
   }
 };
@@ -331,6 +335,17 @@ Status GpuMoeRunner::run(cudaStream_t stream, const ForwardArgs& a, bool routed,
     if (e != cudaSuccess) return Status::failure(cuda_message("clearing the split-K counters", e));
   }
   if (routed && marks) cudaEventRecord(marks[1], stream);
+  // NOTE: with the streaming kernel, GEMM1 gathers its activation rows itself (row -> entry -> token),
+  // so the gather_quantize launch is skipped: w4a16 reads the hidden rows, scalar w4a4 the rows that the
+  // route kernel quantized once per token (into a1 as [T, H]). One launch and T*k row copies fewer.
+  // Per-expert w4a4 (a scale per copy), the router weight on the input and caller-given ids keep it.
+  // The route kernel quantizes only for DeepSeekV3 routing (a CTA of E threads per token): the
+  // warp-per-token kernel of the other methods took longer for the row than the launch it saves
+  // (qwen3 presets, T = 1: route 6 -> 11-15 us; docs/perf.md).
+  const bool stream_gemm = tactic.kernel == GemmKernel::Sm90Stream && !p.routing.apply_router_weight_on_input;
+  const bool quantize_in_route = stream_gemm && !routed && p.act_quant == ActQuant::W4A4Scalar &&
+                                 p.routing.method == RoutingMethod::DeepSeekV3;
+  const bool gather_in_gemm1 = stream_gemm && (p.act_quant == ActQuant::W4A16 || quantize_in_route);
   if (!routed) {
     kernels::RouteArgs r;
     r.logits = a.router_logits;
@@ -341,6 +356,12 @@ Status GpuMoeRunner::run(cudaStream_t stream, const ForwardArgs& a, bool routed,
     r.params = p.routing;
     r.topk_ids = ids;
     r.topk_weights = weights;
+    if (quantize_in_route) {
+      r.quant_out = region<__nv_bfloat16>(ws, plan.a1);
+      r.hidden = static_cast<const __nv_bfloat16*>(a.hidden);
+      r.hidden_size = static_cast<int>(p.hidden);
+      r.input_scale = input_scale_.as<float>();
+    }
     FP4MOE_LAUNCH(1, "route", kernels::launch_route(r, stream));
   }
 
@@ -357,6 +378,15 @@ Status GpuMoeRunner::run(cudaStream_t stream, const ForwardArgs& a, bool routed,
   pa.tile_row_start = region<int32_t>(ws, plan.tile_row_start);
   pa.num_tiles = region<int32_t>(ws, plan.num_tiles);
   pa.scratch = region<void>(ws, plan.permute_scratch);
+  // NOTE: the streaming GEMM2 finalizes top-k > 1 itself (arrival counters per token and N tile, the
+  // last row's CTA sums the slots in order): one launch fewer, and y is re-read while still in L2. The
+  // permute launch clears the counters. Caller-given ids keep the separate finalize, which turns an
+  // out-of-range id (a token with fewer than k GEMM rows) into a NaN row.
+  const bool finalize_in_gemm2 = k > 1 && !routed && tactic.kernel == GemmKernel::Sm90Stream;
+  if (finalize_in_gemm2) {
+    pa.zero_words = region<int32_t>(ws, plan.finalize_counters);
+    pa.zero_count = kernels::gemm2_finalize_counter_count(T, p.hidden);
+  }
   FP4MOE_LAUNCH(2, "permute", kernels::launch_permute(pa, stream));
 
   kernels::GatherArgs g;
@@ -372,7 +402,11 @@ Status GpuMoeRunner::run(cudaStream_t stream, const ForwardArgs& a, bool routed,
   g.mode = p.act_quant;
   g.scale_by_weight = p.routing.apply_router_weight_on_input;
   g.a1 = region<__nv_bfloat16>(ws, plan.a1);
-  FP4MOE_LAUNCH(3, "gather_quantize", kernels::launch_gather_quantize(g, stream));
+  if (gather_in_gemm1) {  // the stage mark stays, for the bench's stage times
+    if (marks) cudaEventRecord(marks[3], stream);
+  } else {
+    FP4MOE_LAUNCH(3, "gather_quantize", kernels::launch_gather_quantize(g, stream));
+  }
 
   auto common = [&](kernels::ExpertGemmArgs& x, const kernels::PrepackedWeights& pw, const DeviceBytes& wb,
                     const DeviceBytes& sb, const DeviceBytes& alpha, int64_t K, int64_t N) {
@@ -394,6 +428,12 @@ Status GpuMoeRunner::run(cudaStream_t stream, const ForwardArgs& a, bool routed,
   kernels::Gemm1Args g1;
   common(g1, w13_, w13_bytes_, w13_scale_bytes_, alpha1_, p.hidden, p.w13_rows());
   g1.a = g.a1;
+  if (gather_in_gemm1) {
+    g1.a = p.act_quant == ActQuant::W4A16 ? g.hidden : g.a1;  // [T, H]
+    g1.rows = T;
+    g1.a_row_to_entry = pa.row_to_entry;
+    g1.a_top_k = k;
+  }
   g1.activation = p.activation;
   g1.mode = p.act_quant;
   g1.act_scale = act_scale_.as<float>();
@@ -416,8 +456,14 @@ Status GpuMoeRunner::run(cudaStream_t stream, const ForwardArgs& a, bool routed,
     g2.out = static_cast<__nv_bfloat16*>(a.output);
     g2.out_weights = p.routing.apply_router_weight_on_input ? nullptr : weights;
   }
+  if (finalize_in_gemm2) {
+    g2.out = static_cast<__nv_bfloat16*>(a.output);
+    g2.out_weights = p.routing.apply_router_weight_on_input ? nullptr : weights;
+    g2.finalize_counters = pa.zero_words;
+    g2.finalize_top_k = k;
+  }
   FP4MOE_LAUNCH(5, "gemm2", kernels::launch_gemm2(g2, stream));
-  if (fuse_finalize) {
+  if (fuse_finalize || finalize_in_gemm2) {
     if (marks) cudaEventRecord(marks[6], stream);
     return Status::success();
   }

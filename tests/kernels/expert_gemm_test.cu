@@ -441,6 +441,32 @@ void run_gemm1(const GemmCase& c, const GemmKernelUnderTest& k = wgmma_kernel())
   ASSERT_FALSE(::testing::Test::HasFatalFailure());
   ASSERT_EQ(out.size(), static_cast<size_t>((R + kGuardRows) * I));
 
+  // The streaming kernel with the gather fused (a_row_to_entry): the same rows, read from an
+  // un-permuted activation through row -> entry -> token (entry = token * 3 + slot), give the same bits.
+  if (k.gemm1 == &kernels::launch_gemm1_act_stream && R > 0) {
+    constexpr int kTopK = 3;
+    std::vector<int32_t> token_of(static_cast<size_t>(R));
+    std::iota(token_of.begin(), token_of.end(), 0);
+    std::shuffle(token_of.begin(), token_of.end(), rng);
+    std::vector<uint16_t> src(abits.size());
+    std::vector<int32_t> r2e(static_cast<size_t>(R));
+    for (int64_t r = 0; r < R; ++r) {
+      std::copy_n(abits.begin() + r * K, K, src.begin() + token_of[r] * K);
+      r2e[r] = token_of[r] * kTopK + static_cast<int32_t>(r % kTopK);
+    }
+    DeviceBuffer<uint16_t> d_src(src);
+    DeviceBuffer<int32_t> d_r2e(r2e);
+    ASSERT_TRUE(d_src.ok() && d_r2e.ok());
+    kernels::Gemm1Args gg = g;
+    gg.a = reinterpret_cast<const __nv_bfloat16*>(d_src.get());
+    gg.a_row_to_entry = d_r2e.get();
+    gg.a_top_k = kTopK;
+    const std::vector<uint16_t> gathered = launch_and_download(gg, k, k.gemm1, d_out, N);
+    ASSERT_EQ(gathered.size(), out.size());
+    EXPECT_EQ(0, std::memcmp(gathered.data(), out.data(), out.size() * sizeof(uint16_t)))
+        << "GEMM1 with the gather fused differs from GEMM1 on the permuted rows";
+  }
+
   for (int64_t i = R * I; i < (R + kGuardRows) * I; ++i)
     ASSERT_EQ(out[i], 0xFFFF) << "write past the last row at element " << i;
   int64_t bad = 0, bad_blocks = 0;
@@ -547,6 +573,51 @@ void run_gemm2(const GemmCase& c, const GemmKernelUnderTest& k = wgmma_kernel(),
     }
   }
   EXPECT_EQ(bad, 0);
+
+  // The streaming kernel with the top-k finalize fused (finalize_counters), entries = token * kk + slot:
+  // the same y, out = finalize's arithmetic on it bit for bit, and the counters back at zero.
+  const int kk = R % 3 == 0 ? 3 : (R % 2 == 0 ? 2 : 0);
+  if (k.gemm2 != &kernels::launch_gemm2_stream || R == 0 || kk == 0) return;
+  const int64_t T = R / kk;
+  std::uniform_real_distribution<float> uw(0.1f, 1.0f);
+  std::vector<float> wts(static_cast<size_t>(R));
+  for (auto& x : wts) x = uw(rng);
+  const int64_t counters = kernels::gemm2_finalize_counter_count(T, N);
+  DeviceBuffer<float> d_w(wts), d_y2(static_cast<size_t>((R + kGuardRows) * N));
+  DeviceBuffer<uint16_t> d_o(static_cast<size_t>((T + kGuardRows) * N));
+  DeviceBuffer<int32_t> d_cnt(static_cast<size_t>(counters));
+  ASSERT_TRUE(d_w.ok() && d_y2.ok() && d_o.ok() && d_cnt.ok());
+  d_cnt.poison(0);
+  kernels::Gemm2Args gf = g;
+  gf.y = d_y2.get();
+  gf.out = reinterpret_cast<__nv_bfloat16*>(d_o.get());
+  gf.out_weights = d_w.get();
+  gf.finalize_counters = d_cnt.get();
+  gf.finalize_top_k = kk;
+  d_y2.poison(0xFF);
+  const std::vector<uint16_t> o = launch_and_download(gf, k, k.gemm2, d_o, N);
+  ASSERT_FALSE(::testing::Test::HasFatalFailure());
+  const std::vector<float> y2 = d_y2.download();
+  EXPECT_EQ(0, std::memcmp(y2.data(), y.data(), static_cast<size_t>(R * N) * sizeof(float)))
+      << "y differs with the fused finalize";
+  for (int64_t i = T * N; i < (T + kGuardRows) * N; ++i)
+    ASSERT_EQ(o[i], 0xFFFF) << "write past the last token at element " << i;
+  int64_t wrong = 0;
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t n = 0; n < N; ++n) {
+      float acc = 0.0f;
+      for (int j = 0; j < kk; ++j) {
+        const volatile float prod = wts[t * kk + j] * y2[(t * kk + j) * N + n];  // never contracted into an FMA
+        acc = acc + prod;
+      }
+      const uint16_t want = format::bf16_from_float(acc);
+      if (o[t * N + n] != want && wrong++ < 10)
+        ADD_FAILURE() << "fused finalize: token " << t << " n " << n << ": got bits " << o[t * N + n] << ", want "
+                      << want;
+    }
+  EXPECT_EQ(wrong, 0);
+  const std::vector<int32_t> cnt = d_cnt.download();
+  EXPECT_EQ(std::count(cnt.begin(), cnt.end(), 0), counters) << "fused-finalize counters not reset";
 }
 
 ActivationParams act_of(Activation k) {
@@ -815,6 +886,24 @@ TEST(ExpertGemmStream, RejectsBadArguments) {
   EXPECT_EQ(kernels::launch_gemm2_stream(bad, 16, 2, nullptr), cudaErrorInvalidValue);
   const kernels::Gemm1Args g1 = s.gemm1({GemmKernel::Sm90Stream, 32, 3});
   EXPECT_EQ(kernels::launch_gemm1_act(g1, nullptr), cudaErrorInvalidValue);  // split_k 3, no workspace
+  kernels::Gemm1Args gathered = s.gemm1({GemmKernel::Sm90Stream, 16, 1});
+  gathered.a_row_to_entry = s.dummy.get();
+  gathered.a_top_k = 0;  // a gather needs top_k >= 1
+  EXPECT_EQ(kernels::launch_gemm1_act(gathered, nullptr), cudaErrorInvalidValue);
+  gathered.tactic = {GemmKernel::Sm90Wgmma, 128, 1};
+  gathered.a_top_k = 1;  // the wgmma kernel has no fused gather
+  EXPECT_EQ(kernels::launch_gemm1_act(gathered, nullptr), cudaErrorInvalidValue);
+  kernels::Gemm2Args fin = g2;
+  fin.finalize_counters = s.dummy.get();
+  fin.out = reinterpret_cast<__nv_bfloat16*>(s.a.get());
+  fin.finalize_top_k = 1;  // the fused finalize is for top_k >= 2
+  EXPECT_EQ(kernels::launch_gemm2(fin, nullptr), cudaErrorInvalidValue);
+  fin.finalize_top_k = 2;
+  fin.out = nullptr;  // it writes out
+  EXPECT_EQ(kernels::launch_gemm2(fin, nullptr), cudaErrorInvalidValue);
+  fin.out = reinterpret_cast<__nv_bfloat16*>(s.a.get());
+  fin.tactic = {GemmKernel::Sm90Wgmma, 128, 1};  // the wgmma kernel has no fused top-k finalize
+  EXPECT_EQ(kernels::launch_gemm2(fin, nullptr), cudaErrorInvalidValue);
   EXPECT_EQ(kernels::launch_gemm2_stream(g2, 24, 1, nullptr), cudaErrorInvalidValue);  // no 24-row tiles
   EXPECT_EQ(kernels::launch_gemm2_stream(g2, 64, 1, nullptr), cudaErrorInvalidValue);
   EXPECT_TRUE(kernels::gemm_stream_tile_supported(16) && kernels::gemm_stream_tile_supported(32));

@@ -134,10 +134,20 @@ void run_case(int T, int k, int E, int tile_rows, IdKind kind, uint64_t seed) {
   a.tile_row_start = d_trs.get();
   a.num_tiles = d_nt.get();
   a.scratch = d_scratch.get();
+  // The words the launch clears for a later kernel (GEMM2's fused-finalize counters): 7 per token + 1.
+  const int64_t zero_count = 7 * static_cast<int64_t>(T) + 1;
+  DeviceBuffer<int32_t> d_zero(static_cast<size_t>(zero_count) + 1);
+  ASSERT_TRUE(d_zero.ok());
+  a.zero_words = d_zero.get();
+  a.zero_count = zero_count;
   // Twice on the same buffers: the result must not depend on what the previous run left behind.
   for (int rep = 0; rep < 2; ++rep) {
+    d_zero.poison();
     CUDA_ASSERT(kernels::launch_permute(a, nullptr));
     CUDA_ASSERT(cudaDeviceSynchronize());
+    const std::vector<int32_t> zeroed = d_zero.download();
+    ASSERT_EQ(std::count(zeroed.begin(), zeroed.end() - 1, 0), zero_count) << "zero_words not cleared";
+    ASSERT_EQ(zeroed.back(), -1) << "a word past zero_count was written";
     expect_equal(d_offsets.download(), want.offsets, "expert_offsets");
     expect_equal(d_r2e.download(), want.row_to_entry, "row_to_entry");
     expect_equal(d_e2r.download(), want.entry_to_row, "entry_to_row");

@@ -34,13 +34,15 @@ struct RouteCase {
   bool with_bias = false;
   LogitKind kind = LogitKind::Normal;
   uint64_t seed = 1;
+  int quant_hidden = 0;  // > 0: also quantize a random hidden [T, quant_hidden] (RouteArgs::quant_out)
 
   std::string describe() const {
     std::ostringstream os;
     os << to_string(params.method) << " T=" << T << " E=" << E << " k=" << params.top_k
        << " n_group=" << params.n_group << " topk_group=" << params.topk_group
        << " scale=" << params.routed_scaling_factor << (bf16 ? " bf16" : " f32")
-       << (with_bias ? " bias" : "") << " kind=" << static_cast<int>(kind) << " seed=" << seed;
+       << (with_bias ? " bias" : "") << " kind=" << static_cast<int>(kind) << " seed=" << seed
+       << " quant_hidden=" << quant_hidden;
     return os.str();
   }
 };
@@ -110,8 +112,42 @@ void run_case(const RouteCase& c) {
   args.params = c.params;
   args.topk_ids = d_ids.get();
   args.topk_weights = d_w.get();
+  // quant_hidden: random bf16 rows with varied magnitudes; the quantized rows must be the CPU codec's
+  // q * sf values (format::quantize_nvfp4 then dequantize_nvfp4 without the global scale), bit for bit.
+  const int64_t H = c.quant_hidden;
+  std::vector<uint16_t> hidden_bits(static_cast<size_t>(std::max<int64_t>(c.T * H, 1)));
+  std::uniform_real_distribution<float> unit(-1.0f, 1.0f);
+  std::uniform_int_distribution<int> expo(-6, 6);
+  for (auto& b : hidden_bits) b = format::bf16_from_float(std::ldexp(unit(rng), expo(rng)));
+  const std::vector<float> input_scale = {0.0137f};
+  DeviceBuffer<uint16_t> d_hidden(hidden_bits), d_quant(hidden_bits.size());
+  DeviceBuffer<float> d_scale(input_scale);
+  if (H > 0) {
+    ASSERT_TRUE(d_hidden.ok() && d_quant.ok() && d_scale.ok());
+    d_quant.poison();
+    args.quant_out = reinterpret_cast<__nv_bfloat16*>(d_quant.get());
+    args.hidden = reinterpret_cast<const __nv_bfloat16*>(d_hidden.get());
+    args.hidden_size = static_cast<int>(H);
+    args.input_scale = d_scale.get();
+  }
   CUDA_ASSERT(kernels::launch_route(args, nullptr));
   CUDA_ASSERT(cudaDeviceSynchronize());
+  if (H > 0) {
+    const std::vector<uint16_t> got = d_quant.download();
+    std::vector<float> row(static_cast<size_t>(H)), deq(static_cast<size_t>(H));
+    std::vector<uint8_t> packed(static_cast<size_t>(H / 2)), sf(static_cast<size_t>(H / 16));
+    int64_t wrong = 0;
+    for (int64_t t = 0; t < c.T; ++t) {
+      for (int64_t i = 0; i < H; ++i) row[i] = format::bf16_to_float(hidden_bits[t * H + i]);
+      format::quantize_nvfp4(row.data(), 1, H, input_scale[0], packed.data(), sf.data());
+      format::dequantize_nvfp4(packed.data(), sf.data(), 1, H, deq.data());
+      for (int64_t i = 0; i < H; ++i)
+        if (got[t * H + i] != format::bf16_from_float(deq[i]) && wrong++ < 8)
+          ADD_FAILURE() << "quantized token " << t << " element " << i << ": got bits " << got[t * H + i]
+                        << ", want " << format::bf16_from_float(deq[i]);
+    }
+    EXPECT_EQ(wrong, 0);
+  }
 
   const std::vector<int32_t> ids = d_ids.download();
   const std::vector<float> w = d_w.download();
@@ -259,6 +295,28 @@ TEST(RouteKernel, DeepSeekV3EveryShape) {
     }
 }
 
+TEST(RouteKernel, QuantizesTokenRowsForTheGatheringGemm) {
+  FP4MOE_REQUIRE_SM90();
+  uint64_t seed = 900;
+  for (int T : {1, 5, 33}) {  // the warp-per-token kernel (several tokens per CTA) and the CTA kernel
+    RouteCase c;
+    c.params = params_of(RoutingMethod::Renormalize, 8);
+    c.E = 128;
+    c.T = T;
+    c.quant_hidden = 2048 + 16;  // 129 blocks: a ragged last pass over the lanes
+    c.seed = ++seed;
+    run_case(c);
+    RouteCase d;
+    d.params = params_of(RoutingMethod::DeepSeekV3, 8, 8, 4, 2.5f);
+    d.E = 256;
+    d.T = T;
+    d.with_bias = true;
+    d.quant_hidden = 7168;
+    d.seed = ++seed;
+    run_case(d);
+  }
+}
+
 TEST(RouteKernel, DeepSeekR1AndLargeGroups) {
   FP4MOE_REQUIRE_SM90();
   uint64_t seed = 600;
@@ -326,6 +384,16 @@ TEST(RouteKernel, RejectsBadArguments) {
   EXPECT_EQ(kernels::launch_route(args, nullptr), cudaErrorInvalidValue);
   args.params = params_of(RoutingMethod::Renormalize, 2);  // T = 0 with valid params: a no-op
   EXPECT_EQ(kernels::launch_route(args, nullptr), cudaSuccess);
+  alignas(16) static uint16_t rows[32];
+  args.quant_out = reinterpret_cast<__nv_bfloat16*>(rows);  // quantizing needs hidden and its scale
+  EXPECT_EQ(kernels::launch_route(args, nullptr), cudaErrorInvalidValue);
+  const float scale = 1.0f;
+  args.hidden = reinterpret_cast<const __nv_bfloat16*>(rows);
+  args.input_scale = &scale;
+  args.hidden_size = 24;  // not a multiple of 16
+  EXPECT_EQ(kernels::launch_route(args, nullptr), cudaErrorInvalidValue);
+  args.hidden_size = 16;
+  EXPECT_EQ(kernels::launch_route(args, nullptr), cudaSuccess);  // T = 0: checked, nothing launched
 }
 
 }  // namespace
