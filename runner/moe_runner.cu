@@ -379,8 +379,8 @@ Status GpuMoeRunner::run(cudaStream_t stream, const ForwardArgs& a, bool routed,
   pa.num_tiles = region<int32_t>(ws, plan.num_tiles);
   pa.scratch = region<void>(ws, plan.permute_scratch);
   // NOTE: the streaming GEMM2 finalizes top-k > 1 itself (arrival counters per token and N tile, the
-  // last row's CTA sums the slots in order): one launch fewer, and y is re-read while still in L2. The
-  // permute launch clears the counters. Caller-given ids keep the separate finalize, which turns an
+  // last row's CTA sums the slots in order): one launch fewer, and y is re-read right after it is
+  // written. The permute launch clears the counters. Caller-given ids keep the separate finalize, which turns an
   // out-of-range id (a token with fewer than k GEMM rows) into a NaN row.
   const bool finalize_in_gemm2 = k > 1 && !routed && tactic.kernel == GemmKernel::Sm90Stream;
   if (finalize_in_gemm2) {
