@@ -143,7 +143,7 @@ int gemm_tile_rows(const MoeTactic& t) { return t.tile_tokens; }
 
 cudaError_t launch_gemm1_act(const Gemm1Args& args, cudaStream_t stream) {
   if (stream_tactic(args.tactic))
-    return launch_gemm1_act_stream(args, args.tactic.tile_tokens, args.tactic.split_k, stream);
+    return launch_gemm1_act_stream(args, args.tactic.tile_tokens, gemm_split_k(args.tactic, args.K), stream);
   sm90gemm::Params p;
   // NOTE: the wgmma kernel's bulk tensor copies read whole row boxes of a permuted `a`; a gathered
   // activation (a_row_to_entry) is the streaming kernel's only.
@@ -154,7 +154,7 @@ cudaError_t launch_gemm1_act(const Gemm1Args& args, cudaStream_t stream) {
 
 cudaError_t launch_gemm2(const Gemm2Args& args, cudaStream_t stream) {
   if (stream_tactic(args.tactic))
-    return launch_gemm2_stream(args, args.tactic.tile_tokens, args.tactic.split_k, stream);
+    return launch_gemm2_stream(args, args.tactic.tile_tokens, gemm_split_k(args.tactic, args.K), stream);
   sm90gemm::Params p;
   // NOTE: the fused top-k finalize (finalize_counters) is the streaming kernel's only.
   if (!wgmma_tactic(args.tactic) || args.finalize_counters || !gemm_detail::gemm2_params(args, p))

@@ -325,24 +325,30 @@ __device__ __forceinline__ void mainloop(const Params& p, uint32_t smem_base, co
 // that brings a counter to top_k resets it and finalizes that token over the tile's columns,
 // out = bf16(sum_j w_j * y_j) with slots j in order and __fmul_rn / __fadd_rn from 0: finalize.cu's
 // arithmetic, bit for bit. s_token: [kTileRows] shared ints.
-// NOTE (ordering): the fence + counter hand-off of the split-K path. Every thread fences its own y
-// stores before the CTA barrier that precedes the arrivals; the last CTA fences after observing the
-// count and reads the other CTAs' y through L2 (__ldcg), never a stale L1 line. A token's rows lie in
-// different tiles (different experts) or in this one; either way each row arrives exactly once.
+// NOTE (ordering): the CTA barrier orders every y store of the CTA before the arrivals; each arrival
+// is an acq_rel atomic at gpu scope, whose release side publishes those stores (release is cumulative
+// over what the barrier ordered before it) and whose acquire side, for the last arrival, makes the
+// other CTAs' released y visible; the barrier after it passes that on to the CTA, which reads y
+// through L2 (__ldcg), never a stale L1 line. No full fence per thread (the split-K path's pattern).
+// A token's rows lie in different tiles (different experts) or in this one; each row arrives once.
+__device__ __forceinline__ int atomic_add_acq_rel_gpu(int32_t* address, int value) {
+  int old;
+  asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;" : "=r"(old) : "l"(address), "r"(value) : "memory");
+  return old;
+}
+
 __device__ __forceinline__ void gemm2_finalize_tile(const Params& p, int ntile, int64_t row_start, int valid_rows,
                                                     int32_t* s_token) {
-  __threadfence();
   __syncthreads();
   const int tid = threadIdx.x, k = p.fin_top_k;
   if (tid < valid_rows) {
     const int32_t token = p.row_to_entry[row_start + tid] / k;
     int32_t* counter = p.fin_counters + static_cast<int64_t>(token) * p.n_ctas + ntile;
-    const bool last = atomicAdd(counter, 1) == k - 1;
+    const bool last = atomic_add_acq_rel_gpu(counter, 1) == k - 1;
     if (last) *counter = 0;  // every row of the token has arrived: ready for the next launch
     s_token[tid] = last ? token : -1;
   }
   __syncthreads();
-  __threadfence();  // acquire side of the counters
   constexpr int kItems = kRowsPerCta / 8;  // 8 output columns per item
   const int n0 = ntile * kRowsPerCta;
   for (int it = tid; it < valid_rows * kItems; it += kThreads) {

@@ -68,10 +68,11 @@ struct PermuteArgs {
   int32_t* tile_row_start = nullptr;  // [max_tiles]
   int32_t* num_tiles = nullptr;       // [1]
   void* scratch = nullptr;            // permute_scratch_bytes(T*k, E) bytes
-  // Also set to zero by the launch (its one-block kernel), for a later kernel of the forward: e.g.
-  // GEMM2's fused-finalize counters. Costs no launch of its own.
-  int32_t* zero_words = nullptr;      // [zero_count]
-  int64_t zero_count = 0;
+  // Also set to zero by the launch (its one-block kernel), for later kernels of the forward: GEMM2's
+  // fused-finalize counters, the split-K arrival counters. Costs no launch (and no memset) of its own.
+  static constexpr int kZeroRanges = 3;
+  int32_t* zero_words[kZeroRanges] = {};  // range i: [zero_count[i]]
+  int64_t zero_count[kZeroRanges] = {};
 };
 inline int64_t max_tiles(int64_t num_entries, int64_t num_experts, int64_t tile_rows) {
   return (num_entries + tile_rows - 1) / tile_rows + (num_entries < num_experts ? num_entries : num_experts);
@@ -147,7 +148,8 @@ struct ExpertGemmArgs {
   int64_t K = 0;                          // reduction size (H for GEMM1, I for GEMM2)
   int64_t N = 0;                          // weight rows (w13_rows for GEMM1, H for GEMM2)
   MoeTactic tactic;                       // which kernel; the tile table is built for its tile_tokens
-  // Streaming kernel with split_k > 1 only: gemm_stream_workspace_bytes(max_tiles, N, split_k) bytes,
+  // Streaming kernel with s = gemm_split_k(tactic, K) > 1 only: gemm_stream_workspace_bytes(max_tiles, N,
+  // tactic.tile_tokens, s) bytes,
   // 16-byte aligned, ZEROED ONCE by the caller when allocated (its arrival counters are reset to zero by
   // every launch that uses them, so CUDA-graph replays and later launches need no memset). Launches that
   // use the same workspace must be stream-ordered.
@@ -173,7 +175,8 @@ struct Gemm1Args : ExpertGemmArgs {
   const int32_t* a_row_to_entry = nullptr;
   int a_top_k = 0;                        // >= 1 with a_row_to_entry
 };
-// Runs the kernel of args.tactic (the streaming kernel for sm90_stream, with args.tactic.split_k).
+// Runs the kernel of args.tactic (the streaming kernel for sm90_stream, split gemm_split_k(args.tactic, args.K)
+// ways along K).
 cudaError_t launch_gemm1_act(const Gemm1Args& args, cudaStream_t stream);
 
 struct Gemm2Args : ExpertGemmArgs {

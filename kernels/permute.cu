@@ -168,7 +168,9 @@ __device__ void write_offsets_and_tiles(const int32_t* offsets, int num_experts,
 
 // PermuteArgs::zero_words, by the one block of the fused or the scan kernel.
 __device__ __forceinline__ void clear_words(const PermuteArgs& a) {
-  for (int64_t i = threadIdx.x; i < a.zero_count; i += kThreads) a.zero_words[i] = 0;
+#pragma unroll
+  for (int r = 0; r < PermuteArgs::kZeroRanges; ++r)
+    for (int64_t i = threadIdx.x; i < a.zero_count[r]; i += kThreads) a.zero_words[r][i] = 0;
 }
 
 // ---- one chunk: everything in one block ------------------------------------------------------------
@@ -286,7 +288,8 @@ cudaError_t launch_permute(const PermuteArgs& a, cudaStream_t stream) {
   const int64_t n = static_cast<int64_t>(a.num_tokens) * a.top_k;
   if (n > INT32_MAX) return cudaErrorInvalidValue;
   if (a.expert_offsets == nullptr || a.num_tiles == nullptr) return cudaErrorInvalidValue;
-  if (a.zero_count < 0 || (a.zero_count > 0 && a.zero_words == nullptr)) return cudaErrorInvalidValue;
+  for (int r = 0; r < PermuteArgs::kZeroRanges; ++r)
+    if (a.zero_count[r] < 0 || (a.zero_count[r] > 0 && a.zero_words[r] == nullptr)) return cudaErrorInvalidValue;
   if (n > 0 && (a.topk_ids == nullptr || a.row_to_entry == nullptr || a.entry_to_row == nullptr ||
                 a.tile_expert == nullptr || a.tile_row_start == nullptr))
     return cudaErrorInvalidValue;

@@ -128,8 +128,10 @@ class GpuMoeRunner final : public MoeRunner {
     auto add = [&](const MoeTactic& t, int64_t T) {  // the split-K workspaces of tactic t at up to T tokens
       if (t.kernel != GemmKernel::Sm90Stream || t.split_k <= 1) return;
       const int64_t tiles = kernels::max_tiles(T * problem_.top_k(), problem_.num_experts, t.tile_tokens);
-      split1 = std::max(split1, kernels::gemm_stream_workspace_bytes(tiles, problem_.w13_rows(), t.tile_tokens, t.split_k));
-      split2 = std::max(split2, kernels::gemm_stream_workspace_bytes(tiles, problem_.hidden, t.tile_tokens, t.split_k));
+      split1 = std::max(split1, kernels::gemm_stream_workspace_bytes(tiles, problem_.w13_rows(), t.tile_tokens,
+                                                                     gemm_split_k(t, problem_.hidden)));
+      split2 = std::max(split2, kernels::gemm_stream_workspace_bytes(tiles, problem_.hidden, t.tile_tokens,
+                                                                     gemm_split_k(t, problem_.inter)));
     };
     if (forced_tactic_) {
       add(*forced_tactic_, max_tokens);
@@ -323,17 +325,6 @@ Status GpuMoeRunner::run(cudaStream_t stream, const ForwardArgs& a, bool routed,
   const int64_t tiles = kernels::max_tiles(entries, E, tile_rows);
 
   if (marks) cudaEventRecord(marks[0], stream);
-  // NOTE: the split-K arrival counters must be zero when the GEMMs start; the workspace may be shared
-  // with other work between forwards, so they are cleared here, first: a memset between two kernels
-  // would break the chain of dependent launches (kernels/dependent_launch.cuh).
-  if (tactic.split_k > 1) {
-    auto clear_counters = [&](size_t offset, int64_t N) -> cudaError_t {
-      return cudaMemsetAsync(region<char>(ws, offset), 0, kernels::gemm_stream_counter_bytes(tiles, N), stream);
-    };
-    cudaError_t e = clear_counters(plan.split1, p.w13_rows());
-    if (e == cudaSuccess) e = clear_counters(plan.split2, p.hidden);
-    if (e != cudaSuccess) return Status::failure(cuda_message("clearing the split-K counters", e));
-  }
   if (routed && marks) cudaEventRecord(marks[1], stream);
   // NOTE: with the streaming kernel, GEMM1 gathers its activation rows itself (row -> entry -> token),
   // so the gather_quantize launch is skipped: w4a16 reads the hidden rows, scalar w4a4 the rows that the
@@ -384,8 +375,20 @@ Status GpuMoeRunner::run(cudaStream_t stream, const ForwardArgs& a, bool routed,
   // out-of-range id (a token with fewer than k GEMM rows) into a NaN row.
   const bool finalize_in_gemm2 = k > 1 && !routed && tactic.kernel == GemmKernel::Sm90Stream;
   if (finalize_in_gemm2) {
-    pa.zero_words = region<int32_t>(ws, plan.finalize_counters);
-    pa.zero_count = kernels::gemm2_finalize_counter_count(T, p.hidden);
+    pa.zero_words[0] = region<int32_t>(ws, plan.finalize_counters);
+    pa.zero_count[0] = kernels::gemm2_finalize_counter_count(T, p.hidden);
+  }
+  // NOTE: the split-K arrival counters must be zero when the GEMMs start, and the workspace may be
+  // shared with other work between forwards: the permute launch clears them too (a memset node before
+  // the route kernel cost the chain of dependent launches its start).
+  // Each GEMM splits gemm_split_k(tactic, its K) ways (GEMM1 and GEMM2 may differ).
+  if (gemm_split_k(tactic, p.hidden) > 1) {
+    pa.zero_words[1] = region<int32_t>(ws, plan.split1);
+    pa.zero_count[1] = static_cast<int64_t>(kernels::gemm_stream_counter_bytes(tiles, p.w13_rows()) / sizeof(int32_t));
+  }
+  if (gemm_split_k(tactic, p.inter) > 1) {
+    pa.zero_words[2] = region<int32_t>(ws, plan.split2);
+    pa.zero_count[2] = static_cast<int64_t>(kernels::gemm_stream_counter_bytes(tiles, p.hidden) / sizeof(int32_t));
   }
   FP4MOE_LAUNCH(2, "permute", kernels::launch_permute(pa, stream));
 
@@ -459,7 +462,7 @@ Status GpuMoeRunner::run(cudaStream_t stream, const ForwardArgs& a, bool routed,
   if (finalize_in_gemm2) {
     g2.out = static_cast<__nv_bfloat16*>(a.output);
     g2.out_weights = p.routing.apply_router_weight_on_input ? nullptr : weights;
-    g2.finalize_counters = pa.zero_words;
+    g2.finalize_counters = pa.zero_words[0];
     g2.finalize_top_k = k;
   }
   FP4MOE_LAUNCH(5, "gemm2", kernels::launch_gemm2(g2, stream));

@@ -27,10 +27,21 @@ enum class GemmKernel : int {
 struct MoeTactic {
   GemmKernel kernel = GemmKernel::Sm90Wgmma;
   int tile_tokens = 128;  // token rows per GEMM tile (the permutation's tile table is built for it)
-  int split_k = 1;        // CTAs along K per output tile (Sm90Stream only; 1 = none)
+  int split_k = 1;        // CTAs along K per output tile (Sm90Stream only; 1 = none); see gemm_split_k
 
   friend bool operator==(const MoeTactic&, const MoeTactic&) = default;
 };
+
+// The K split that one GEMM of the forward runs with: split_k, halved while the GEMM's K has fewer than
+// 2 chunks of 128 per split (a split CTA needs two chunks to overlap its loads and math). The two
+// GEMMs reduce over different K (GEMM1: H, GEMM2: I), so one tactic may split them differently, e.g.
+// qwen3-30b-a3b with split_k 4: GEMM1 (K = 2048, 16 chunks) splits 4 ways, GEMM2 (K = 768, 6 chunks) 2.
+inline int gemm_split_k(const MoeTactic& t, int64_t K) {
+  const int64_t chunks = (K + 127) / 128;
+  int split = t.kernel == GemmKernel::Sm90Stream ? t.split_k : 1;
+  while (split > 1 && chunks < 2 * static_cast<int64_t>(split)) split /= 2;
+  return split;
+}
 
 inline std::string_view to_string(GemmKernel k) {
   switch (k) {

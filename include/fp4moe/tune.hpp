@@ -57,9 +57,10 @@ MoeTactic tactic_from_json(std::string_view text);
 std::vector<MoeTactic> candidate_tactics(const MoeProblem& problem);
 // Why the tactic cannot run this problem, or "" when it can. Rules per kernel family:
 //   sm90_wgmma:  tile_tokens in {128, 256}, split_k 1; every problem with H, I multiples of 16.
-//   sm90_stream: tile_tokens in {16, 32}, split_k in {1, 2, 4}; split_k > 1 only when both GEMMs have at least
-//                2 * split_k chunks of 128 along K (GEMM1: K = H, GEMM2: K = I), so every split CTA
-//                gets at least two chunks to pipeline.
+//   sm90_stream: tile_tokens in {16, 32}, split_k in {1, 2, 4}; split_k > 1 only when the GEMM with the
+//                longer K has at least 2 * split_k chunks of 128 along K (GEMM1: K = H, GEMM2: K = I);
+//                each GEMM splits gemm_split_k(tactic, K) ways (fp4moe/tactic.hpp), so every split
+//                CTA gets at least two chunks to pipeline.
 std::string why_invalid(const MoeProblem& problem, const MoeTactic& tactic);
 inline bool tactic_valid(const MoeProblem& problem, const MoeTactic& tactic) {
   return why_invalid(problem, tactic).empty();

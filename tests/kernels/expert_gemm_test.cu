@@ -884,8 +884,9 @@ TEST(ExpertGemmStream, RejectsBadArguments) {
   kernels::Gemm2Args bad = g2;
   bad.split_workspace = reinterpret_cast<char*>(s.f.get()) + 4;  // misaligned workspace
   EXPECT_EQ(kernels::launch_gemm2_stream(bad, 16, 2, nullptr), cudaErrorInvalidValue);
+  // The launcher itself (launch_gemm1_act would first lower the split to what this short K allows).
   const kernels::Gemm1Args g1 = s.gemm1({GemmKernel::Sm90Stream, 32, 3});
-  EXPECT_EQ(kernels::launch_gemm1_act(g1, nullptr), cudaErrorInvalidValue);  // split_k 3, no workspace
+  EXPECT_EQ(kernels::launch_gemm1_act_stream(g1, 32, 3, nullptr), cudaErrorInvalidValue);  // split_k 3, no workspace
   kernels::Gemm1Args gathered = s.gemm1({GemmKernel::Sm90Stream, 16, 1});
   gathered.a_row_to_entry = s.dummy.get();
   gathered.a_top_k = 0;  // a gather needs top_k >= 1

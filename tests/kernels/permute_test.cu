@@ -134,20 +134,26 @@ void run_case(int T, int k, int E, int tile_rows, IdKind kind, uint64_t seed) {
   a.tile_row_start = d_trs.get();
   a.num_tiles = d_nt.get();
   a.scratch = d_scratch.get();
-  // The words the launch clears for a later kernel (GEMM2's fused-finalize counters): 7 per token + 1.
+  // The words the launch clears for later kernels (GEMM2's fused-finalize and split-K counters): 7 per
+  // token + 1 in range 0, 3 in range 2, none in range 1.
   const int64_t zero_count = 7 * static_cast<int64_t>(T) + 1;
-  DeviceBuffer<int32_t> d_zero(static_cast<size_t>(zero_count) + 1);
-  ASSERT_TRUE(d_zero.ok());
-  a.zero_words = d_zero.get();
-  a.zero_count = zero_count;
+  DeviceBuffer<int32_t> d_zero(static_cast<size_t>(zero_count) + 1), d_zero2(4);
+  ASSERT_TRUE(d_zero.ok() && d_zero2.ok());
+  a.zero_words[0] = d_zero.get();
+  a.zero_count[0] = zero_count;
+  a.zero_words[2] = d_zero2.get();
+  a.zero_count[2] = 3;
   // Twice on the same buffers: the result must not depend on what the previous run left behind.
   for (int rep = 0; rep < 2; ++rep) {
     d_zero.poison();
+    d_zero2.poison();
     CUDA_ASSERT(kernels::launch_permute(a, nullptr));
     CUDA_ASSERT(cudaDeviceSynchronize());
-    const std::vector<int32_t> zeroed = d_zero.download();
-    ASSERT_EQ(std::count(zeroed.begin(), zeroed.end() - 1, 0), zero_count) << "zero_words not cleared";
-    ASSERT_EQ(zeroed.back(), -1) << "a word past zero_count was written";
+    const std::vector<int32_t> zeroed = d_zero.download(), zeroed2 = d_zero2.download();
+    ASSERT_EQ(std::count(zeroed.begin(), zeroed.end() - 1, 0), zero_count) << "zero_words[0] not cleared";
+    ASSERT_EQ(zeroed.back(), -1) << "a word past zero_count[0] was written";
+    ASSERT_EQ(std::count(zeroed2.begin(), zeroed2.end() - 1, 0), 3) << "zero_words[2] not cleared";
+    ASSERT_EQ(zeroed2.back(), -1) << "a word past zero_count[2] was written";
     expect_equal(d_offsets.download(), want.offsets, "expert_offsets");
     expect_equal(d_r2e.download(), want.row_to_entry, "row_to_entry");
     expect_equal(d_e2r.download(), want.entry_to_row, "entry_to_row");

@@ -234,6 +234,17 @@ TEST_P(LayerTactic, MatchesReference) {
     p.act_quant = ActQuant::W4A4Scalar;
     run(random_case(p, T, 25 + T), "decode shapes T=" + std::to_string(T));
   }
+  {
+    MoeProblem p;  // GEMM2's K (640: 5 chunks) allows half of GEMM1's split 4 (gemm_split_k)
+    p.num_experts = 16;
+    p.hidden = 1024;
+    p.inter = 640;
+    p.routing.method = RoutingMethod::Renormalize;
+    p.routing.top_k = 4;
+    p.activation.kind = Activation::SwiGLU;
+    p.act_quant = ActQuant::W4A16;
+    run(random_case(p, 3, 29), "GEMMs split differently T=3");
+  }
   EXPECT_GE(ran, 3) << describe(t) << " ran on too few of the cases";
 }
 

@@ -115,8 +115,9 @@ TEST(TuneCache, SetReplacesTheSameKeyAndRefusesInvalidTactics) {
   EXPECT_EQ(c.entries().size(), 4u);
   EXPECT_EQ(c.lookup(h200(), ds, 1), kWgmma256);
   MoeProblem narrow = ds;
-  narrow.inter = 384;  // 3 chunks along K: no split 4
-  expect_error([&] { c.set(h200(), narrow, 1, kStream4, 1, 1); }, "is invalid for E=256 H=7168 I=384");
+  narrow.hidden = 896;  // 7 and 3 chunks along K: no split 4 in either GEMM
+  narrow.inter = 384;
+  expect_error([&] { c.set(h200(), narrow, 1, kStream4, 1, 1); }, "is invalid for E=256 H=896 I=384");
   expect_error([&] { c.set(h200(), ds, num_buckets(), kWgmma256, 1, 1); }, "bucket index must be in [0, 102), got 102");
   expect_error([&] { c.set(h200(), ds, 1, kWgmma256, 0, 1); }, "tactic_us must be finite and > 0");
 }

@@ -64,15 +64,35 @@ TEST(Registry, CandidatesFollowTheFamilyRules) {
   EXPECT_EQ(candidate_tactics(problem(256, 7168, 2048, 8)),
             (std::vector<MoeTactic>{kWgmma128, kWgmma256, kStream1, kStream2, kStream4, kStream32x1, kStream32x2,
                                     kStream32x4}));
-  // I = 384: 3 chunks -> split 2 needs 4: only split 1.
+  // The GEMM with the longer K decides: H = 1024 is 8 chunks, so splits 2 and 4 are valid although
+  // I = 384 (3 chunks) gives GEMM2 no split (gemm_split_k).
   EXPECT_EQ(candidate_tactics(problem(16, 1024, 384, 2)),
-            (std::vector<MoeTactic>{kWgmma128, kWgmma256, kStream1, kStream32x1}));
-  // I = 512: 4 chunks -> split 2 yes, split 4 (needs 8) no.
-  EXPECT_EQ(candidate_tactics(problem(16, 1024, 512, 2)),
+            (std::vector<MoeTactic>{kWgmma128, kWgmma256, kStream1, kStream2, kStream4, kStream32x1, kStream32x2,
+                                    kStream32x4}));
+  // H = 512 and I = 384 (4 and 3 chunks): split 2 yes, split 4 (needs 8) no.
+  EXPECT_EQ(candidate_tactics(problem(16, 512, 384, 2)),
             (std::vector<MoeTactic>{kWgmma128, kWgmma256, kStream1, kStream2, kStream32x1, kStream32x2}));
-  // Ceil of chunks: H = 1040 is 9 chunks, I = 1040 too: split 4 needs 8.
-  EXPECT_TRUE(tactic_valid(problem(16, 1040, 1040, 2), kStream4));
-  EXPECT_FALSE(tactic_valid(problem(16, 1040, 896, 2), kStream4));  // I: 7 chunks
+  // H = I = 384: no split at all.
+  EXPECT_EQ(candidate_tactics(problem(16, 384, 384, 2)),
+            (std::vector<MoeTactic>{kWgmma128, kWgmma256, kStream1, kStream32x1}));
+  // Ceil of chunks: K = 1040 is 9 chunks, 896 is 7: split 4 needs 8 in one of the GEMMs.
+  EXPECT_TRUE(tactic_valid(problem(16, 1040, 896, 2), kStream4));
+  EXPECT_TRUE(tactic_valid(problem(16, 896, 1040, 2), kStream4));
+  EXPECT_FALSE(tactic_valid(problem(16, 896, 896, 2), kStream4));
+}
+
+TEST(Registry, EachGemmSplitsWhileItsKChunksAllow) {
+  // qwen3-30b-a3b, split_k 4: GEMM1 K = 2048 (16 chunks) splits 4 ways, GEMM2 K = 768 (6 chunks) 2 ways.
+  EXPECT_EQ(gemm_split_k(kStream4, 2048), 4);
+  EXPECT_EQ(gemm_split_k(kStream4, 768), 2);
+  EXPECT_EQ(gemm_split_k(kStream4, 1024), 4);  // 8 chunks: 2 per split
+  EXPECT_EQ(gemm_split_k(kStream4, 1023), 4);  // ceil: still 8 chunks
+  EXPECT_EQ(gemm_split_k(kStream4, 896), 2);   // 7 chunks
+  EXPECT_EQ(gemm_split_k(kStream2, 512), 2);   // 4 chunks
+  EXPECT_EQ(gemm_split_k(kStream2, 384), 1);   // 3 chunks
+  EXPECT_EQ(gemm_split_k(kStream32x4, 256), 1);
+  EXPECT_EQ(gemm_split_k(kStream1, 1 << 20), 1);
+  EXPECT_EQ(gemm_split_k(kWgmma128, 1 << 20), 1);
 }
 
 TEST(Registry, WhyInvalidNamesTheRule) {
@@ -83,9 +103,10 @@ TEST(Registry, WhyInvalidNamesTheRule) {
   EXPECT_EQ(why_invalid(p, MoeTactic{GemmKernel::Sm90Wgmma, 128, 2}), "sm90_wgmma: split_k must be in {1}, got 2");
   EXPECT_EQ(why_invalid(p, MoeTactic{GemmKernel::Sm90Stream, 16, 3}), "sm90_stream: split_k must be in {1, 2, 4}, got 3");
   EXPECT_EQ(why_invalid(p, MoeTactic{GemmKernel::Sm90Stream, 64, 1}), "sm90_stream: tile_tokens must be in {16, 32}, got 64");
-  EXPECT_EQ(why_invalid(p, kStream2),
-            "sm90_stream: split_k 2 needs >= 4 chunks of 128 along K in both GEMMs, got 8 (GEMM1, K=H=1024) and 3 "
-            "(GEMM2, K=I=384)");
+  EXPECT_EQ(why_invalid(p, kStream2), "");  // GEMM1: 8 chunks
+  EXPECT_EQ(why_invalid(problem(16, 384, 256, 2), kStream2),
+            "sm90_stream: split_k 2 needs >= 4 chunks of 128 along K in at least one GEMM, got 3 (GEMM1, K=H=384) "
+            "and 2 (GEMM2, K=I=256)");
   EXPECT_NE(why_invalid(problem(16, 1000, 384, 2), kWgmma128).find("multiples of 16"), std::string::npos);
   EXPECT_NE(why_invalid(p, MoeTactic{static_cast<GemmKernel>(9), 128, 1}).find("unknown kernel id 9"),
             std::string::npos);
