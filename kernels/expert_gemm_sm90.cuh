@@ -611,9 +611,9 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
 // GEMM1 epilogue items: item = (token, 16 consecutive output columns) of the staged tile; all 16 (32
 // when gated) staged values are loaded first, then the activation and (w4a4) the re-quantization.
 // Gated kinds read gate column i at staging row i and up at row kUpRow + i; relu2 reads row i.
-// kStride (floats per staging row), kUpRow (kBlockN / 2 in the wgmma kernel) and kNumThreads (threads
-// 0..kNumThreads-1 share the
-// items) let the streaming kernel (expert_gemm_stream_sm90.cuh) use its own staging tile.
+// kStride (floats per staging row), kUpRow (kBlockN / 2) and kNumThreads (threads 0..kNumThreads-1
+// share the items) describe the wgmma kernel's staging tile; the streaming kernel spreads the same
+// arithmetic over (token, 2 columns) pairs instead (sm90stream::gemm1_pairs).
 template <Activation K, int kStride, int kUpRow, int kNumThreads>
 __device__ __forceinline__ void gemm1_items(const Params& p, const float* stg, int64_t out_base, int items,
                                             int valid_rows, float gs, float inv_gs) {

@@ -36,8 +36,8 @@
 //      counter to 0 and sums the partials in split order 0..split_k-1 (deterministic), then runs 4.
 //   4. Epilogue, h = alpha[e] * (2^8 * acc):
 //        GEMM1: staged through shared memory [128 rows][kStgStride] fp32 (gated: gate i at row i, up i
-//               at row 64 + i; relu2: weight row n at row n), then sm90gemm::gemm1_epilogue's items
-//               (token, 16 columns): activation, bf16 or NVFP4 fake-quantization, as the wgmma kernel.
+//               at row 64 + i; relu2: weight row n at row n), then gemm1_pairs: a thread per (token,
+//               2 columns), activation, bf16 or NVFP4 fake-quantization, the wgmma kernel's arithmetic.
 //        GEMM2: fp32 y[row_to_entry[row] * N + n] from the registers, or the top-1 fused finalize;
 //               with fin_counters (top_k >= 2) y and then the fused finalize of gemm2_finalize_tile.
 //
@@ -130,7 +130,6 @@ struct StreamTile {
   static_assert(kCopies * kThreads == TileRows * (kActRowBytes / 16), "activation copies split evenly");
   static_assert(kActRingOffset % 128 == 0 && kBarrierOffset % 8 == 0, "ring alignment");
 };
-static_assert(kThreads == sm90gemm::kConsumerThreads, "gemm1_epilogue's items are strided by 256 threads");
 
 struct StreamParams {
   Params base;               // shared with the wgmma kernel (n_ctas = CTAs along N)
@@ -373,6 +372,71 @@ __device__ __forceinline__ void gemm2_finalize_tile(const Params& p, int ntile, 
   }
 }
 
+// ---- GEMM1 epilogue: one (token, 2 columns) pair per thread -----------------------------------------
+// The arithmetic of sm90gemm::gemm1_items (activation, then the NVFP4 fake-quantization of each
+// 16-column block), spread finer: pair q of token row r is item r * cols / 2 + q, so the 8 pairs of a
+// 16-column block are 8 consecutive lanes, which combine their block's amax with three shuffles (a
+// maximum: the same scale bits in any order). Output columns [i0, i0 + cols) of the tile's rows.
+// NOTE (why not gemm1_epilogue's 16-column items): a decode tile has 1..32 token rows, i.e. 4..128
+// items of 16 columns for 256 threads. At T = 1 one warp per CTA ran the whole epilogue, 16
+// activations per thread in ~1000 instructions that every SM fetched cold (ncu source counters,
+// qwen3-30b-a3b T = 1: most of GEMM1's "no instruction" stalls, on a single warp). Pairs give every
+// warp a share and need a fraction of the code.
+template <Activation K, int kStride>
+__device__ __forceinline__ void gemm1_pairs(const Params& p, const float* stg, int64_t out_base, int cols,
+                                            int valid_rows, float gs, float inv_gs) {
+  constexpr bool kGated = K != Activation::Relu2;
+  constexpr int kUpRow = kRowsPerCta / 2;  // kStride: floats per staging row (StreamTile::kStgStride)
+  const int per_row = cols / 2;  // cols % 16 == 0: a whole number of 8-lane blocks per row
+  const int total = per_row * valid_rows;
+  const int lane = threadIdx.x % 32;
+  // Warp-uniform trip count: every lane takes part in the shuffles. total % 8 == 0, so a dead lane's
+  // 8-lane group is dead as a whole and never mixes into a live block's amax.
+  for (int base = threadIdx.x - lane; base < total; base += kThreads) {
+    const int it = base + lane;
+    const bool live = it < total;
+    const int tok = live ? it / per_row : 0, col = live ? (it % per_row) * 2 : 0;
+    const float* src = stg + col * kStride + tok;  // staging row = output column (gate), + kUpRow (up)
+    const float h0 = src[0], h1 = src[kStride];
+    const float u0 = kGated ? src[kUpRow * kStride] : 0.0f, u1 = kGated ? src[(kUpRow + 1) * kStride] : 0.0f;
+    float x0 = sm90gemm::activation<K>(p.act, h0, u0, sm90gemm::activation_denominator<K>(p.act, h0));
+    float x1 = sm90gemm::activation<K>(p.act, h1, u1, sm90gemm::activation_denominator<K>(p.act, h1));
+    if (p.quantize) {  // kernel-uniform
+      float amax = nvfp4::amax_update(nvfp4::amax_update(0.0f, x0), x1);
+#pragma unroll
+      for (int m = 1; m < 8; m <<= 1) amax = nvfp4::amax_combine(amax, __shfl_xor_sync(0xffffffffu, amax, m));
+      const uint32_t sf = nvfp4::nvfp4_block_scale(amax, gs);
+      const float osc = nvfp4::nvfp4_output_scale(sf, inv_gs), sf_value = nvfp4::e4m3_to_float(sf);
+      x0 = __fmul_rn(nvfp4::e2m1_round_value(__fmul_rn(x0, osc)), sf_value);
+      x1 = __fmul_rn(nvfp4::e2m1_round_value(__fmul_rn(x1, osc)), sf_value);
+    }
+    if (live)
+      *reinterpret_cast<uint32_t*>(p.act_out + out_base + tok * static_cast<int64_t>(p.out_cols) + col) =
+          sm90gemm::pack_bf16x2(x0, x1);
+  }
+}
+
+// gemm1_epilogue's setup (valid columns, the expert's re-quantization scale) with gemm1_pairs.
+template <int kStride>
+__device__ __forceinline__ void gemm1_epilogue_pairs(const Params& p, const float* stg, int expert, int i0,
+                                                     int cols_cta, int64_t row_start, int valid_rows) {
+  const int cols = min(cols_cta, p.out_cols - i0);
+  float gs = 0.0f, inv_gs = 0.0f;
+  if (p.quantize) {
+    gs = nvfp4::global_inv_scale(p.act_scale[expert]);
+    inv_gs = __fdiv_rn(1.0f, gs);
+  }
+  const int64_t out_base = row_start * static_cast<int64_t>(p.out_cols) + i0;
+  switch (p.act.kind) {
+    case Activation::SwiGLU: gemm1_pairs<Activation::SwiGLU, kStride>(p, stg, out_base, cols, valid_rows, gs, inv_gs); break;
+    case Activation::GeGLU: gemm1_pairs<Activation::GeGLU, kStride>(p, stg, out_base, cols, valid_rows, gs, inv_gs); break;
+    case Activation::SwiGLUOai:
+      gemm1_pairs<Activation::SwiGLUOai, kStride>(p, stg, out_base, cols, valid_rows, gs, inv_gs);
+      break;
+    default: gemm1_pairs<Activation::Relu2, kStride>(p, stg, out_base, cols, valid_rows, gs, inv_gs); break;
+  }
+}
+
 // ---- kernel -------------------------------------------------------------------------------------------
 // kGemm2: GEMM2 epilogue (y or the fused top-1 finalize); otherwise GEMM1 (gated or relu2, at run time).
 template <bool kGemm2, int TileRows>
@@ -528,8 +592,7 @@ __global__ void __launch_bounds__(kThreads, StreamTile<TileRows>::kCtasPerSm) ex
     }
     __syncthreads();
     const int cols_cta = gated ? kRowsPerCta / 2 : kRowsPerCta;
-    sm90gemm::gemm1_epilogue<kStgStride, kRowsPerCta / 2, kThreads>(p, stg, expert, ntile * cols_cta, cols_cta,
-                                                                    row_start, valid_rows);
+    gemm1_epilogue_pairs<kStgStride>(p, stg, expert, ntile * cols_cta, cols_cta, row_start, valid_rows);
   }
 }
 
