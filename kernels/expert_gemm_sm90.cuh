@@ -603,10 +603,7 @@ __device__ __forceinline__ float activation(const ActivationParams& a, float g, 
 __device__ __forceinline__ float epilogue_scale(float alpha, float acc) {
   return __fmul_rn(alpha, __fmul_rn(acc, fp4layout::kAccumulatorScale));  // the 2^8 is exact
 }
-__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // RNE each
-  return *reinterpret_cast<const uint32_t*>(&v);
-}
+using nvfp4::pack_bf16x2;  // RNE each
 
 // GEMM1 epilogue items: item = (token, 16 consecutive output columns) of the staged tile; all 16 (32
 // when gated) staged values are loaded first, then the activation and (w4a4) the re-quantization.

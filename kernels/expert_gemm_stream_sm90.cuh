@@ -322,8 +322,8 @@ __device__ __forceinline__ void mainloop(const Params& p, uint32_t smem_base, co
 // ---- GEMM2 with the finalize fused (top_k >= 2) --------------------------------------------------------
 // After this CTA's y stores: each valid row arrives on the counter of (its token, this N tile); the CTA
 // that brings a counter to top_k resets it and finalizes that token over the tile's columns,
-// out = bf16(sum_j w_j * y_j) with slots j in order and __fmul_rn / __fadd_rn from 0: finalize.cu's
-// arithmetic, bit for bit. s_token: [kTileRows] shared ints.
+// out = bf16(sum_j w_j * y_j) with slots j in order from 0 (nvfp4::finalize_add_slot8, the finalize
+// kernel's arithmetic: the same bits). s_token: [kTileRows] shared ints.
 // NOTE (ordering): the CTA barrier orders every y store of the CTA before the arrivals; each arrival
 // is an acq_rel atomic at gpu scope, whose release side publishes those stores (release is cumulative
 // over what the barrier ordered before it) and whose acquire side, for the last arrival, makes the
@@ -360,15 +360,9 @@ __device__ __forceinline__ void gemm2_finalize_tile(const Params& p, int ntile, 
     for (int j = 0; j < k; ++j) {
       const int64_t entry = static_cast<int64_t>(token) * k + j;
       const float w = p.out_weights != nullptr ? p.out_weights[entry] : 1.0f;
-      const float4* src = reinterpret_cast<const float4*>(p.y + entry * p.N + n);
-      const float4 y0 = __ldcg(src), y1 = __ldcg(src + 1);
-      const float y[8] = {y0.x, y0.y, y0.z, y0.w, y1.x, y1.y, y1.z, y1.w};
-#pragma unroll
-      for (int q = 0; q < 8; ++q) acc[q] = __fadd_rn(acc[q], __fmul_rn(w, y[q]));
+      nvfp4::finalize_add_slot8(acc, w, p.y + entry * p.N + n);
     }
-    *reinterpret_cast<uint4*>(p.out + static_cast<int64_t>(token) * p.N + n) =
-        make_uint4(sm90gemm::pack_bf16x2(acc[0], acc[1]), sm90gemm::pack_bf16x2(acc[2], acc[3]),
-                   sm90gemm::pack_bf16x2(acc[4], acc[5]), sm90gemm::pack_bf16x2(acc[6], acc[7]));
+    nvfp4::store_bf16x8(p.out + static_cast<int64_t>(token) * p.N + n, acc);
   }
 }
 
@@ -412,7 +406,7 @@ __device__ __forceinline__ void gemm1_pairs(const Params& p, const float* stg, i
     }
     if (live)
       *reinterpret_cast<uint32_t*>(p.act_out + out_base + tok * static_cast<int64_t>(p.out_cols) + col) =
-          sm90gemm::pack_bf16x2(x0, x1);
+          nvfp4::pack_bf16x2(x0, x1);
   }
 }
 

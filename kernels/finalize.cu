@@ -3,7 +3,8 @@
 // One thread per 8 consecutive columns of one token: for each slot j in order it loads 8 fp32 of
 // y[t*k+j] (two 16-byte loads) and accumulates acc = acc + w * y with separately rounded fp32
 // operations (__fmul_rn / __fadd_rn: never contracted into an FMA), starting from acc = 0 like the CPU
-// reference; then one 16-byte store of 8 bf16 (RNE). No atomics: deterministic.
+// reference; then one 16-byte store of 8 bf16 (RNE). No atomics: deterministic. The per-slot step and
+// the store are nvfp4::finalize_add_slot8 / store_bf16x8, which GEMM2's fused finalize uses too.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -11,17 +12,13 @@
 
 #include "kernels/dependent_launch.cuh"
 #include "kernels/launch.hpp"
+#include "kernels/nvfp4_device.cuh"
 
 namespace fp4moe::kernels {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kCols = 8;  // columns per thread
-
-__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
-  return static_cast<uint32_t>(__bfloat16_as_ushort(__float2bfloat16_rn(lo))) |
-         (static_cast<uint32_t>(__bfloat16_as_ushort(__float2bfloat16_rn(hi))) << 16);
-}
+constexpr int kCols = 8;  // columns per thread (nvfp4::finalize_add_slot8)
 
 __global__ void __launch_bounds__(kThreads) finalize_kernel(const FinalizeArgs a) {
   dependent_launch_prologue();
@@ -46,15 +43,9 @@ __global__ void __launch_bounds__(kThreads) finalize_kernel(const FinalizeArgs a
         continue;
       }
     }
-    const float4* src = reinterpret_cast<const float4*>(a.y + entry * H + c);
-    const float4 y0 = src[0], y1 = src[1];
-    const float y[kCols] = {y0.x, y0.y, y0.z, y0.w, y1.x, y1.y, y1.z, y1.w};
-#pragma unroll
-    for (int q = 0; q < kCols; ++q) acc[q] = __fadd_rn(acc[q], __fmul_rn(w, y[q]));
+    nvfp4::finalize_add_slot8(acc, w, a.y + entry * H + c);
   }
-  *reinterpret_cast<uint4*>(a.out + t * H + c) =
-      make_uint4(pack_bf16x2(acc[0], acc[1]), pack_bf16x2(acc[2], acc[3]), pack_bf16x2(acc[4], acc[5]),
-                 pack_bf16x2(acc[6], acc[7]));
+  nvfp4::store_bf16x8(a.out + t * H + c, acc);
 }
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) % 16) == 0; }

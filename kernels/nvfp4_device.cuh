@@ -178,14 +178,34 @@ __device__ __forceinline__ uint32_t bf16_bits(float x) {
   return static_cast<uint32_t>(__bfloat16_as_ushort(__float2bfloat16_rn(x)));
 }
 
+// Two floats -> bf16x2 (RNE each), lo in the low 16 bits.
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) { return bf16_bits(lo) | (bf16_bits(hi) << 16); }
+
 // 16 floats (exactly representable in bf16, or rounded RNE) -> two uint4 stores.
 __device__ __forceinline__ void store_bf16x16(__nv_bfloat16* dst, const float (&v)[16]) {
   uint32_t w[8];
 #pragma unroll
-  for (int i = 0; i < 8; ++i) w[i] = bf16_bits(v[2 * i]) | (bf16_bits(v[2 * i + 1]) << 16);
+  for (int i = 0; i < 8; ++i) w[i] = pack_bf16x2(v[2 * i], v[2 * i + 1]);
   uint4* p = reinterpret_cast<uint4*>(dst);
   p[0] = make_uint4(w[0], w[1], w[2], w[3]);
   p[1] = make_uint4(w[4], w[5], w[6], w[7]);
+}
+
+// ---- the top-k finalize's arithmetic (DESIGN.md §1 step 6), for 8 consecutive columns ------------------
+// Shared by the finalize kernel and GEMM2's fused finalize, so both give the same bits.
+// acc[q] = acc[q] + w * y[q]: separately rounded (never contracted into an FMA). y is read through L2
+// (__ldcg): in the fused finalize other CTAs of the same launch wrote it, so no stale L1 line is used.
+__device__ __forceinline__ void finalize_add_slot8(float (&acc)[8], float w, const float* y) {
+  const float4* src = reinterpret_cast<const float4*>(y);
+  const float4 y0 = __ldcg(src), y1 = __ldcg(src + 1);
+  const float v[8] = {y0.x, y0.y, y0.z, y0.w, y1.x, y1.y, y1.z, y1.w};
+#pragma unroll
+  for (int q = 0; q < 8; ++q) acc[q] = __fadd_rn(acc[q], __fmul_rn(w, v[q]));
+}
+// 8 floats -> 8 bf16 (RNE), one 16-byte store.
+__device__ __forceinline__ void store_bf16x8(__nv_bfloat16* dst, const float (&v)[8]) {
+  *reinterpret_cast<uint4*>(dst) = make_uint4(pack_bf16x2(v[0], v[1]), pack_bf16x2(v[2], v[3]),
+                                              pack_bf16x2(v[4], v[5]), pack_bf16x2(v[6], v[7]));
 }
 
 // Dequantizes a Block16: out[i] = e2m1(q_i) * float(sf).

@@ -454,14 +454,12 @@ Status GpuMoeRunner::run(cudaStream_t stream, const ForwardArgs& a, bool routed,
   // (saves writing and re-reading y). Precomputed ids keep the separate finalize, which turns an
   // out-of-range id (a token without a GEMM row) into a NaN row.
   const bool fuse_finalize = k == 1 && !routed;
-  if (fuse_finalize) {
-    g2.y = nullptr;
+  if (fuse_finalize || finalize_in_gemm2) {
     g2.out = static_cast<__nv_bfloat16*>(a.output);
     g2.out_weights = p.routing.apply_router_weight_on_input ? nullptr : weights;
   }
-  if (finalize_in_gemm2) {
-    g2.out = static_cast<__nv_bfloat16*>(a.output);
-    g2.out_weights = p.routing.apply_router_weight_on_input ? nullptr : weights;
+  if (fuse_finalize) g2.y = nullptr;  // top-1: y is not written
+  if (finalize_in_gemm2) {  // top-k: y, then the finalize of each (token, N tile) by its last CTA
     g2.finalize_counters = pa.zero_words[0];
     g2.finalize_top_k = k;
   }
