@@ -11,8 +11,9 @@
 //      slot sums in slot order by shuffles, the softmax sum over E by a warp tree) and writes it.
 // DeepSeekV3 (sigmoid + bias choice scores, group selection): route_deepseek_block_kernel, one CTA per
 // token and one thread per expert.
-// Both kernels, with RouteArgs::quant_out (scalar w4a4): last, the warp / CTA of token t writes its row
-// of hidden fake-quantized to NVFP4 (quantize_token_row).
+// With RouteArgs::quant_out (scalar w4a4) each token's row of hidden is also written fake-quantized to
+// NVFP4, once: by extra blocks of route_kernel's launch (a thread per 16-element block, in parallel
+// with the routing warps), and by the token's CTA in route_deepseek_block_kernel (quantize_token_row).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -69,27 +70,41 @@ __device__ __forceinline__ int warp_argmax(uint32_t key, uint32_t id) {
   return best == kKeyNone ? -1 : static_cast<int>(win);
 }
 
-// RouteArgs::quant_out: token t's row of hidden, fake-quantized once with the scalar input scale, the
-// 16-element blocks strided over `threads` threads from `first` (the arithmetic of gather_quantize).
-// NOTE: this runs after the token's routing outputs are written, so it delays no later routing step;
-// it saves the forward a gather_quantize launch at decode sizes.
+// RouteArgs::quant_out: 16-element block b of token t's row of hidden, fake-quantized with the scalar
+// input scale (the arithmetic of gather_quantize). It saves the forward a gather_quantize launch.
+__device__ __forceinline__ void quantize_hidden_block(const RouteArgs& a, int64_t t, int b, float gs, float inv_gs) {
+  const int64_t at = t * a.hidden_size + static_cast<int64_t>(b) * nvfp4::kBlock;
+  float x[nvfp4::kBlock];
+  nvfp4::load_bf16x16(a.hidden + at, x);
+  nvfp4::fake_quantize_block16(x, gs, inv_gs);
+  nvfp4::store_bf16x16(a.quant_out + at, x);
+}
+// Token t's row, its blocks strided over `threads` threads from `first`. NOTE: route_deepseek_block_kernel
+// runs this after the token's routing outputs are written, so it delays no later routing step.
 __device__ __forceinline__ void quantize_token_row(const RouteArgs& a, int64_t t, int first, int threads) {
   const float gs = nvfp4::global_inv_scale(a.input_scale[0]);
   const float inv_gs = __fdiv_rn(1.0f, gs);
-  const int blocks = a.hidden_size / nvfp4::kBlock;
-  const int64_t base = t * a.hidden_size;
-  for (int b = first; b < blocks; b += threads) {
-    float x[nvfp4::kBlock];
-    nvfp4::load_bf16x16(a.hidden + base + b * nvfp4::kBlock, x);
-    nvfp4::fake_quantize_block16(x, gs, inv_gs);
-    nvfp4::store_bf16x16(a.quant_out + base + b * nvfp4::kBlock, x);
-  }
+  for (int b = first; b < a.hidden_size / nvfp4::kBlock; b += threads) quantize_hidden_block(a, t, b, gs, inv_gs);
 }
 
 template <int VPT>  // values per lane: E <= 32 * VPT
 __global__ void __launch_bounds__(kWarpsPerBlock * 32)
     route_kernel(const RouteArgs args) {
   dependent_launch_prologue();
+  // Blocks past the routing ones (quant_out only): thread i of them quantizes block i % (H / 16) of
+  // token i / (H / 16).
+  // NOTE: one warp quantizing its token's row after routing it took longer than the gather_quantize
+  // launch this saves (qwen3 presets, T = 1: route 6 -> 11-15 us; docs/perf.md, sixth session); in
+  // blocks of their own the rows are quantized while the warps route.
+  const int64_t route_blocks = (static_cast<int64_t>(args.num_tokens) + kWarpsPerBlock - 1) / kWarpsPerBlock;
+  if (blockIdx.x >= route_blocks) {
+    const int64_t i = (blockIdx.x - route_blocks) * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+    const int per_row = args.hidden_size / nvfp4::kBlock;
+    if (i >= static_cast<int64_t>(args.num_tokens) * per_row) return;
+    const float gs = nvfp4::global_inv_scale(args.input_scale[0]);
+    quantize_hidden_block(args, i / per_row, static_cast<int>(i % per_row), gs, __fdiv_rn(1.0f, gs));
+    return;
+  }
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t t = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + warp;
   if (t >= args.num_tokens) return;  // the whole warp leaves together
@@ -182,7 +197,6 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
     args.topk_ids[t * k + lane] = my_id;
     args.topk_weights[t * k + lane] = __double2float_rn(w);
   }
-  if (args.quant_out != nullptr) quantize_token_row(args, t, lane, 32);
 }
 
 // DeepSeekV3 with one CTA per token and one thread per expert (blockDim = E rounded up to 32), the
@@ -330,9 +344,14 @@ cudaError_t launch_route(const RouteArgs& args, cudaStream_t stream) {
                             stream, args);
   }
   const dim3 block(kWarpsPerBlock * 32);
-  if (args.num_experts <= 32) return launch_dependent(route_kernel<1>, dim3(blocks), block, 0, stream, args);
-  if (args.num_experts <= 128) return launch_dependent(route_kernel<4>, dim3(blocks), block, 0, stream, args);
-  return launch_dependent(route_kernel<16>, dim3(blocks), block, 0, stream, args);
+  int64_t grid = blocks;  // + the quantizing blocks: a thread per 16-element block of hidden
+  if (args.quant_out != nullptr)
+    grid += (static_cast<int64_t>(args.num_tokens) * (args.hidden_size / nvfp4::kBlock) + block.x - 1) / block.x;
+  if (grid > 0x7FFFFFFF) return cudaErrorInvalidValue;
+  const dim3 g(static_cast<unsigned>(grid));
+  if (args.num_experts <= 32) return launch_dependent(route_kernel<1>, g, block, 0, stream, args);
+  if (args.num_experts <= 128) return launch_dependent(route_kernel<4>, g, block, 0, stream, args);
+  return launch_dependent(route_kernel<16>, g, block, 0, stream, args);
 }
 
 }  // namespace fp4moe::kernels

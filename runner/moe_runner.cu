@@ -330,12 +330,10 @@ Status GpuMoeRunner::run(cudaStream_t stream, const ForwardArgs& a, bool routed,
   // so the gather_quantize launch is skipped: w4a16 reads the hidden rows, scalar w4a4 the rows that the
   // route kernel quantized once per token (into a1 as [T, H]). One launch and T*k row copies fewer.
   // Per-expert w4a4 (a scale per copy), the router weight on the input and caller-given ids keep it.
-  // The route kernel quantizes only for DeepSeekV3 routing (a CTA of E threads per token): the
-  // warp-per-token kernel of the other methods took longer for the row than the launch it saves
-  // (qwen3 presets, T = 1: route 6 -> 11-15 us; docs/perf.md).
+  // (The route kernel quantizes in the CTA of each token for DeepSeekV3 routing, in blocks of its own
+  // beside the routing warps for the other methods.)
   const bool stream_gemm = tactic.kernel == GemmKernel::Sm90Stream && !p.routing.apply_router_weight_on_input;
-  const bool quantize_in_route = stream_gemm && !routed && p.act_quant == ActQuant::W4A4Scalar &&
-                                 p.routing.method == RoutingMethod::DeepSeekV3;
+  const bool quantize_in_route = stream_gemm && !routed && p.act_quant == ActQuant::W4A4Scalar;
   const bool gather_in_gemm1 = stream_gemm && (p.act_quant == ActQuant::W4A16 || quantize_in_route);
   if (!routed) {
     kernels::RouteArgs r;
