@@ -648,13 +648,13 @@ __device__ __forceinline__ void gemm1_items(const Params& p, const float* stg, i
 }
 
 // The GEMM1 epilogue of a CTA whose staged tile holds output columns [i0, i0 + cols_cta) of the tile's
-// valid_rows token rows (from row_start): the items of gemm1_items with the activation kind as a
-// template parameter, and (w4a4) the expert's re-quantization scale.
-template <int kStride, int kUpRow, int kNumThreads>
+// valid_rows token rows (from row_start): the valid columns, (w4a4) the expert's re-quantization scale,
+// then Loop::run<K> with the activation kind as a template parameter. Loop spreads the arithmetic over
+// the CTA's threads: Gemm1Items (below, the wgmma kernel) or sm90stream::Gemm1Pairs.
+template <class Loop>
 __device__ __forceinline__ void gemm1_epilogue(const Params& p, const float* stg, int expert, int i0, int cols_cta,
                                                int64_t row_start, int valid_rows) {
-  const int valid_cols = min(cols_cta, p.out_cols - i0);
-  const int items = (valid_cols / 16) * valid_rows;
+  const int cols = min(cols_cta, p.out_cols - i0);
   float gs = 0.0f, inv_gs = 0.0f;
   if (p.quantize) {
     gs = nvfp4::global_inv_scale(p.act_scale[expert]);
@@ -662,21 +662,24 @@ __device__ __forceinline__ void gemm1_epilogue(const Params& p, const float* stg
   }
   const int64_t out_base = row_start * static_cast<int64_t>(p.out_cols) + i0;
   switch (p.act.kind) {
-    case Activation::SwiGLU:
-      gemm1_items<Activation::SwiGLU, kStride, kUpRow, kNumThreads>(p, stg, out_base, items, valid_rows, gs, inv_gs);
-      break;
-    case Activation::GeGLU:
-      gemm1_items<Activation::GeGLU, kStride, kUpRow, kNumThreads>(p, stg, out_base, items, valid_rows, gs, inv_gs);
-      break;
+    case Activation::SwiGLU: Loop::template run<Activation::SwiGLU>(p, stg, out_base, cols, valid_rows, gs, inv_gs); break;
+    case Activation::GeGLU: Loop::template run<Activation::GeGLU>(p, stg, out_base, cols, valid_rows, gs, inv_gs); break;
     case Activation::SwiGLUOai:
-      gemm1_items<Activation::SwiGLUOai, kStride, kUpRow, kNumThreads>(p, stg, out_base, items, valid_rows, gs,
-                                                                       inv_gs);
+      Loop::template run<Activation::SwiGLUOai>(p, stg, out_base, cols, valid_rows, gs, inv_gs);
       break;
-    default:
-      gemm1_items<Activation::Relu2, kStride, kUpRow, kNumThreads>(p, stg, out_base, items, valid_rows, gs, inv_gs);
-      break;
+    default: Loop::template run<Activation::Relu2>(p, stg, out_base, cols, valid_rows, gs, inv_gs); break;
   }
 }
+
+// gemm1_items as a gemm1_epilogue loop: items of 16 columns over the valid columns.
+template <int kStride, int kUpRow, int kNumThreads>
+struct Gemm1Items {
+  template <Activation K>
+  __device__ __forceinline__ static void run(const Params& p, const float* stg, int64_t out_base, int cols,
+                                             int valid_rows, float gs, float inv_gs) {
+    gemm1_items<K, kStride, kUpRow, kNumThreads>(p, stg, out_base, (cols / 16) * valid_rows, valid_rows, gs, inv_gs);
+  }
+};
 
 // The kernel itself is defined only where it is launched (expert_gemm.cu); other kernels include this
 // header for its helpers with FP4MOE_SM90GEMM_HELPERS_ONLY defined (one definition of the kernel).
@@ -828,8 +831,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   consumer_sync();
 
   const int cols_cta = gated ? kBlockN / 2 : kBlockN;
-  gemm1_epilogue<kStagingStride, kBlockN / 2, kConsumerThreads>(p, stg, expert, ntile * cols_cta, cols_cta, row_start,
-                                                                valid_rows);
+  using Items = Gemm1Items<kStagingStride, kBlockN / 2, kConsumerThreads>;
+  gemm1_epilogue<Items>(p, stg, expert, ntile * cols_cta, cols_cta, row_start, valid_rows);
 }
 #endif  // !FP4MOE_SM90GEMM_HELPERS_ONLY
 

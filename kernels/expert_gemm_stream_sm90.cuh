@@ -410,26 +410,16 @@ __device__ __forceinline__ void gemm1_pairs(const Params& p, const float* stg, i
   }
 }
 
-// gemm1_epilogue's setup (valid columns, the expert's re-quantization scale) with gemm1_pairs.
+// gemm1_pairs as a sm90gemm::gemm1_epilogue loop (that function's setup: valid columns, the expert's
+// re-quantization scale, the activation kind as a template parameter).
 template <int kStride>
-__device__ __forceinline__ void gemm1_epilogue_pairs(const Params& p, const float* stg, int expert, int i0,
-                                                     int cols_cta, int64_t row_start, int valid_rows) {
-  const int cols = min(cols_cta, p.out_cols - i0);
-  float gs = 0.0f, inv_gs = 0.0f;
-  if (p.quantize) {
-    gs = nvfp4::global_inv_scale(p.act_scale[expert]);
-    inv_gs = __fdiv_rn(1.0f, gs);
+struct Gemm1Pairs {
+  template <Activation K>
+  __device__ __forceinline__ static void run(const Params& p, const float* stg, int64_t out_base, int cols,
+                                             int valid_rows, float gs, float inv_gs) {
+    gemm1_pairs<K, kStride>(p, stg, out_base, cols, valid_rows, gs, inv_gs);
   }
-  const int64_t out_base = row_start * static_cast<int64_t>(p.out_cols) + i0;
-  switch (p.act.kind) {
-    case Activation::SwiGLU: gemm1_pairs<Activation::SwiGLU, kStride>(p, stg, out_base, cols, valid_rows, gs, inv_gs); break;
-    case Activation::GeGLU: gemm1_pairs<Activation::GeGLU, kStride>(p, stg, out_base, cols, valid_rows, gs, inv_gs); break;
-    case Activation::SwiGLUOai:
-      gemm1_pairs<Activation::SwiGLUOai, kStride>(p, stg, out_base, cols, valid_rows, gs, inv_gs);
-      break;
-    default: gemm1_pairs<Activation::Relu2, kStride>(p, stg, out_base, cols, valid_rows, gs, inv_gs); break;
-  }
-}
+};
 
 // ---- kernel -------------------------------------------------------------------------------------------
 // kGemm2: GEMM2 epilogue (y or the fused top-1 finalize); otherwise GEMM1 (gated or relu2, at run time).
@@ -586,7 +576,7 @@ __global__ void __launch_bounds__(kThreads, StreamTile<TileRows>::kCtasPerSm) ex
     }
     __syncthreads();
     const int cols_cta = gated ? kRowsPerCta / 2 : kRowsPerCta;
-    gemm1_epilogue_pairs<kStgStride>(p, stg, expert, ntile * cols_cta, cols_cta, row_start, valid_rows);
+    sm90gemm::gemm1_epilogue<Gemm1Pairs<kStgStride>>(p, stg, expert, ntile * cols_cta, cols_cta, row_start, valid_rows);
   }
 }
 
