@@ -171,6 +171,26 @@ RoutingParams params_of(RoutingMethod m, int k, int n_group = 1, int topk_group 
   return p;
 }
 
+// The two routing shapes the decode presets use most: Renormalize top-8 of 128 (qwen3) and DeepSeek-R1's
+// DeepSeekV3 routing (top-8 of 256 in 8 groups, 4 kept, bias, scale 2.5).
+RouteCase renormalize_128_case(int T, uint64_t seed) {
+  RouteCase c;
+  c.params = params_of(RoutingMethod::Renormalize, 8);
+  c.E = 128;
+  c.T = T;
+  c.seed = seed;
+  return c;
+}
+RouteCase deepseek_r1_case(int T, uint64_t seed) {
+  RouteCase c;
+  c.params = params_of(RoutingMethod::DeepSeekV3, 8, 8, 4, 2.5f);
+  c.E = 256;
+  c.T = T;
+  c.with_bias = true;
+  c.seed = seed;
+  return c;
+}
+
 constexpr RoutingMethod kPlainMethods[] = {
     RoutingMethod::Default,     RoutingMethod::Renormalize,   RoutingMethod::RenormalizeNaive,
     RoutingMethod::TopK,        RoutingMethod::Sigmoid,       RoutingMethod::SigmoidRenorm,
@@ -299,20 +319,11 @@ TEST(RouteKernel, QuantizesTokenRowsForTheGatheringGemm) {
   FP4MOE_REQUIRE_SM90();
   uint64_t seed = 900;
   for (int T : {1, 5, 33}) {  // the warp-per-token kernel (several tokens per CTA) and the CTA kernel
-    RouteCase c;
-    c.params = params_of(RoutingMethod::Renormalize, 8);
-    c.E = 128;
-    c.T = T;
+    RouteCase c = renormalize_128_case(T, ++seed);
     c.quant_hidden = 2048 + 16;  // 129 blocks: a ragged last pass over the lanes
-    c.seed = ++seed;
     run_case(c);
-    RouteCase d;
-    d.params = params_of(RoutingMethod::DeepSeekV3, 8, 8, 4, 2.5f);
-    d.E = 256;
-    d.T = T;
-    d.with_bias = true;
+    RouteCase d = deepseek_r1_case(T, ++seed);
     d.quant_hidden = 7168;
-    d.seed = ++seed;
     run_case(d);
   }
 }
@@ -322,14 +333,9 @@ TEST(RouteKernel, DeepSeekR1AndLargeGroups) {
   uint64_t seed = 600;
   for (LogitKind kind : {LogitKind::Normal, LogitKind::Ties, LogitKind::AllEqual})
     for (bool bf16 : {false, true}) {
-      RouteCase r1;  // DeepSeek-R1
-      r1.params = params_of(RoutingMethod::DeepSeekV3, 8, 8, 4, 2.5f);
-      r1.E = 256;
-      r1.T = 1000;
+      RouteCase r1 = deepseek_r1_case(1000, ++seed);
       r1.bf16 = bf16;
-      r1.with_bias = true;
       r1.kind = kind;
-      r1.seed = ++seed;
       run_case(r1);
       RouteCase big;  // E = 512, 16 groups
       big.params = params_of(RoutingMethod::DeepSeekV3, 8, 16, 4, 1.5f);
@@ -351,20 +357,10 @@ TEST(RouteKernel, TokenCounts) {
   FP4MOE_REQUIRE_SM90();
   uint64_t seed = 700;
   for (int T : {0, 1, 3, 17, 255, 1000, 8191, 8193}) {
-    RouteCase a;
-    a.params = params_of(RoutingMethod::Renormalize, 8);
-    a.E = 128;
-    a.T = T;
+    RouteCase a = renormalize_128_case(T, ++seed);
     a.bf16 = true;
-    a.seed = ++seed;
     run_case(a);
-    RouteCase b;
-    b.params = params_of(RoutingMethod::DeepSeekV3, 8, 8, 4, 2.5f);
-    b.E = 256;
-    b.T = T;
-    b.with_bias = true;
-    b.seed = ++seed;
-    run_case(b);
+    run_case(deepseek_r1_case(T, ++seed));
   }
 }
 
