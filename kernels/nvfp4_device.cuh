@@ -174,12 +174,8 @@ __device__ __forceinline__ void load_bf16x16(const __nv_bfloat16* src, float (&v
   }
 }
 
-__device__ __forceinline__ uint32_t bf16_bits(float x) {
-  return static_cast<uint32_t>(__bfloat16_as_ushort(__float2bfloat16_rn(x)));
-}
-
-// Two floats -> bf16x2 (RNE each), lo in the low 16 bits: bf16_bits(lo) | bf16_bits(hi) << 16, in one
-// conversion instruction (cvt.rn.bf16x2.f32) instead of two.
+// Two floats -> bf16x2 (RNE each), lo in the low 16 bits, in one conversion instruction
+// (cvt.rn.bf16x2.f32) instead of two.
 __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
   const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<const uint32_t*>(&v);
