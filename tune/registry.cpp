@@ -58,10 +58,10 @@ std::string why_invalid(const MoeProblem& p, const MoeTactic& t) {
   if (!contains(rule->split_k, t.split_k))
     return detail::concat(name, ": split_k must be in ", list(rule->split_k), ", got ", t.split_k);
   if (t.kernel == GemmKernel::Sm90Stream && t.split_k > 1) {
-    // The GEMM with the longer K must split split_k ways with >= 2 K chunks per split; the other one
-    // may split fewer ways (gemm_split_k). Otherwise the tactic would run as one with a smaller split_k.
+    // The GEMM with the longer K must run the whole split (gemm_split_k: >= 2 K chunks per split); the
+    // other one may split fewer ways. Otherwise the tactic would run as one with a smaller split_k.
     const int64_t need = 2 * int64_t(t.split_k);
-    if (std::max(k_chunks(p.hidden), k_chunks(p.inter)) < need)
+    if (gemm_split_k(t, std::max(p.hidden, p.inter)) != t.split_k)
       return detail::concat(name, ": split_k ", t.split_k, " needs >= ", need, " chunks of ", kKChunk,
                             " along K in at least one GEMM, got ", k_chunks(p.hidden), " (GEMM1, K=H=", p.hidden,
                             ") and ", k_chunks(p.inter), " (GEMM2, K=I=", p.inter, ")");
