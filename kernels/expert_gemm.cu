@@ -48,31 +48,6 @@ bool stream_tactic(const MoeTactic& t) {
          t.split_k <= kMaxStreamSplitK;
 }
 
-// cuTensorMapEncodeTiled from the driver (through the runtime: no link against libcuda).
-PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
-  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
-    void* f = nullptr;
-    cudaDriverEntryPointQueryResult q{};
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q) != cudaSuccess ||
-        q != cudaDriverEntryPointSuccess)
-      f = nullptr;
-    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
-  }();
-  return fn;
-}
-
-// dims/strides innermost first; strides (bytes) of dims 1..rank-1.
-cudaError_t encode_map(CUtensorMap& map, CUtensorMapDataType type, int rank, const void* base, const cuuint64_t* dims,
-                       const cuuint64_t* strides, const cuuint32_t* box, CUtensorMapSwizzle swizzle) {
-  const auto encode = tensor_map_encoder();
-  if (encode == nullptr) return cudaErrorNotSupported;
-  const cuuint32_t elem_strides[5] = {1, 1, 1, 1, 1};
-  const CUresult r = encode(&map, type, static_cast<cuuint32_t>(rank), const_cast<void*>(base), dims, strides, box,
-                            elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
-}
-
 // The maps of TmaMaps (kernels/expert_gemm_sm90.cuh). Out-of-bounds parts of a box are zero-filled:
 // activation columns past K, rows past p.rows, weight row groups past N (or past I when gated).
 template <class C>
@@ -82,35 +57,11 @@ cudaError_t make_maps(const sm90gemm::Params& p, sm90gemm::TmaMaps& maps) {
   const cuuint32_t act_box[2] = {64, static_cast<cuuint32_t>(C::kActBoxRows)};  // 128 B x box rows
   const cuuint32_t act_tile_box[2] = {64, static_cast<cuuint32_t>(C::kTileRows)};  // 128 B x tile rows
   for (auto [map, box] : {std::pair{&maps.act, act_box}, std::pair{&maps.act_tile, act_tile_box}})
-    if (cudaError_t e = encode_map(*map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, p.a, act_dims, act_strides, box,
+    if (cudaError_t e = gemm_detail::encode_map(*map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, p.a, act_dims, act_strides, box,
                                    CU_TENSOR_MAP_SWIZZLE_128B);
         e != cudaSuccess)
       return e;
-  // Weights and scales as 32-bit words: 128 (weights) or 16 (scales) words per (group, chunk).
-  const cuuint64_t chunks = static_cast<cuuint64_t>(p.chunks), groups = static_cast<cuuint64_t>(p.groups);
-  const cuuint64_t experts = static_cast<cuuint64_t>(p.num_experts);
-  const bool gated = p.epilogue == sm90gemm::Epilogue::Gemm1Gated;
-  for (int which = 0; which < 2; ++which) {
-    const cuuint64_t bytes = which == 0 ? fp4layout::kChunkBytes : fp4layout::kChunkScaleBytes;
-    const void* base = which == 0 ? static_cast<const void*>(p.w) : static_cast<const void*>(p.w_scale);
-    CUtensorMap& map = which == 0 ? maps.w : maps.scale;
-    const cuuint32_t words = static_cast<cuuint32_t>(bytes / 4);
-    cudaError_t e;
-    if (gated) {  // (word, chunk, group within the half, half, expert): slots [gate groups][up groups]
-      const cuuint64_t half = groups / 2;
-      const cuuint64_t dims[5] = {words, chunks, half, 2, experts};
-      const cuuint64_t strides[4] = {bytes, bytes * chunks, bytes * chunks * half, bytes * chunks * groups};
-      const cuuint32_t box[5] = {words, 1, static_cast<cuuint32_t>(C::kSlots / 2), 2, 1};
-      e = encode_map(map, CU_TENSOR_MAP_DATA_TYPE_UINT32, 5, base, dims, strides, box, CU_TENSOR_MAP_SWIZZLE_NONE);
-    } else {  // (word, chunk, group, expert): kSlots consecutive groups
-      const cuuint64_t dims[4] = {words, chunks, groups, experts};
-      const cuuint64_t strides[3] = {bytes, bytes * chunks, bytes * chunks * groups};
-      const cuuint32_t box[4] = {words, 1, static_cast<cuuint32_t>(C::kSlots), 1};
-      e = encode_map(map, CU_TENSOR_MAP_DATA_TYPE_UINT32, 4, base, dims, strides, box, CU_TENSOR_MAP_SWIZZLE_NONE);
-    }
-    if (e != cudaSuccess) return e;
-  }
-  return cudaSuccess;
+  return gemm_detail::encode_weight_maps(p, C::kSlots, maps.w, maps.scale);
 }
 
 template <int TileTokens>

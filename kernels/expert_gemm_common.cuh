@@ -1,7 +1,9 @@
-// kernels/expert_gemm_common.cuh — argument checks and kernel parameters shared by the launchers of
-// the expert GEMMs (expert_gemm.cu: the wgmma kernel, expert_gemm_stream.cu: the streaming kernel).
+// kernels/expert_gemm_common.cuh — argument checks, kernel parameters and the weight maps shared by the
+// launchers of the expert GEMMs (expert_gemm.cu: the wgmma kernel, expert_gemm_stream.cu: the streaming kernel).
 #pragma once
 
+#include <cuda.h>
+#include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
 #include <cuda_runtime.h>
 
 #include <atomic>
@@ -25,6 +27,62 @@ cudaError_t once_per_device(std::atomic<uint64_t>& done, Configure&& configure) 
   if (bit != 0 && (done.load() & bit)) return cudaSuccess;
   if (cudaError_t e = configure(); e != cudaSuccess) return e;
   done.fetch_or(bit);
+  return cudaSuccess;
+}
+
+// cuTensorMapEncodeTiled from the driver (through the runtime: no link against libcuda).
+inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess)
+      f = nullptr;
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
+  }();
+  return fn;
+}
+
+// dims/strides innermost first; strides (bytes) of dims 1..rank-1.
+inline cudaError_t encode_map(CUtensorMap& map, CUtensorMapDataType type, int rank, const void* base, const cuuint64_t* dims,
+                       const cuuint64_t* strides, const cuuint32_t* box, CUtensorMapSwizzle swizzle) {
+  const auto encode = tensor_map_encoder();
+  if (encode == nullptr) return cudaErrorNotSupported;
+  const cuuint32_t elem_strides[5] = {1, 1, 1, 1, 1};
+  const CUresult r = encode(&map, type, static_cast<cuuint32_t>(rank), const_cast<void*>(base), dims, strides, box,
+                            elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
+// The weight and scale maps of both kernels (as 32-bit words: 128 (weights) or 16 (scales) words per
+// (group, chunk)); the box of one chunk covers `slots` row groups: gated GEMM1 [slots/2 gate groups]
+// [slots/2 up groups] (5-D: word, chunk, group within the half, half, expert), otherwise `slots`
+// consecutive groups (4-D: word, chunk, group, expert). Groups past the expert's are zero-filled.
+inline cudaError_t encode_weight_maps(const sm90gemm::Params& p, int slots, CUtensorMap& w_map, CUtensorMap& scale_map) {
+  const cuuint64_t chunks = static_cast<cuuint64_t>(p.chunks), groups = static_cast<cuuint64_t>(p.groups);
+  const cuuint64_t experts = static_cast<cuuint64_t>(p.num_experts);
+  const bool gated = p.epilogue == sm90gemm::Epilogue::Gemm1Gated;
+  for (int which = 0; which < 2; ++which) {
+    const cuuint64_t bytes = which == 0 ? fp4layout::kChunkBytes : fp4layout::kChunkScaleBytes;
+    const void* base = which == 0 ? static_cast<const void*>(p.w) : static_cast<const void*>(p.w_scale);
+    CUtensorMap& map = which == 0 ? w_map : scale_map;
+    const cuuint32_t words = static_cast<cuuint32_t>(bytes / 4);
+    cudaError_t e;
+    if (gated) {  // (word, chunk, group within the half, half, expert): slots [gate groups][up groups]
+      const cuuint64_t half = groups / 2;
+      const cuuint64_t dims[5] = {words, chunks, half, 2, experts};
+      const cuuint64_t strides[4] = {bytes, bytes * chunks, bytes * chunks * half, bytes * chunks * groups};
+      const cuuint32_t box[5] = {words, 1, static_cast<cuuint32_t>(slots / 2), 2, 1};
+      e = encode_map(map, CU_TENSOR_MAP_DATA_TYPE_UINT32, 5, base, dims, strides, box, CU_TENSOR_MAP_SWIZZLE_NONE);
+    } else {  // (word, chunk, group, expert): `slots` consecutive groups
+      const cuuint64_t dims[4] = {words, chunks, groups, experts};
+      const cuuint64_t strides[3] = {bytes, bytes * chunks, bytes * chunks * groups};
+      const cuuint32_t box[4] = {words, 1, static_cast<cuuint32_t>(slots), 1};
+      e = encode_map(map, CU_TENSOR_MAP_DATA_TYPE_UINT32, 4, base, dims, strides, box, CU_TENSOR_MAP_SWIZZLE_NONE);
+    }
+    if (e != cudaSuccess) return e;
+  }
   return cudaSuccess;
 }
 

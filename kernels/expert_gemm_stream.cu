@@ -3,10 +3,11 @@
 //
 //   1. Check the arguments as launch_gemm1_act / launch_gemm2 do (cudaErrorInvalidValue), plus
 //      tile_rows in {16, 32}, split_k in [1, kMaxStreamSplitK] and, for split_k > 1, the workspace.
-//   2. Grid (1-D): max_tiles tiles x split_k x CTAs along N (128 weight rows; gated GEMM1: 64
+//   2. The bulk tensor copy maps of the weights and scales (16 row groups per box), encoded on the host.
+//   3. Grid (1-D): max_tiles tiles x split_k x CTAs along N (128 weight rows; gated GEMM1: 64
 //      intermediate columns), 256 threads, StreamTile<>::kSmemBytes of dynamic shared memory (opted in
 //      once per device by configure_expert_gemm_stream); CTAs past *num_tiles leave.
-//   3. Four instantiations: GEMM1 (gated or relu2, bf16 or NVFP4 output, at run time) and GEMM2, for
+//   4. Four instantiations: GEMM1 (gated or relu2, bf16 or NVFP4 output, at run time) and GEMM2, for
 //      each tile size.
 // Workspace (split_k > 1): [counters: outs int32, padded to 256 B][partials: outs * split_k * 8 / 16
 // KiB], outs = max_tiles * ceil(N / 128).
@@ -59,12 +60,15 @@ cudaError_t launch(ss::StreamParams sp, int tile_rows, cudaStream_t stream) {
   if (ctas > INT_MAX) return cudaErrorInvalidConfiguration;
   sp.base.n_ctas = static_cast<int>(n_ctas);
   if (cudaError_t e = configure_expert_gemm_stream(); e != cudaSuccess) return e;
+  ss::StreamMaps maps;
+  if (cudaError_t e = gemm_detail::encode_weight_maps(sp.base, ss::kGroupsPerCta, maps.w, maps.scale); e != cudaSuccess)
+    return e;
   const dim3 grid(static_cast<unsigned>(ctas)), block(ss::kThreads);
   if (tile_rows == 32)
     return launch_dependent(ss::expert_gemm_stream_kernel<kGemm2, 32>, grid, block, ss::StreamTile<32>::kSmemBytes,
-                            stream, sp);
+                            stream, sp, maps);
   return launch_dependent(ss::expert_gemm_stream_kernel<kGemm2, 16>, grid, block, ss::StreamTile<16>::kSmemBytes,
-                          stream, sp);
+                          stream, sp, maps);
 }
 
 }  // namespace

@@ -1,13 +1,14 @@
 // kernels/expert_gemm_stream_sm90.cuh — the streaming ("decode") NVFP4 expert GEMM for sm_90a, for few
 // token rows per expert (1..32 per tile). At decode the layer is bound by reading the FP4 weights from
-// HBM, so this kernel keeps many chunks of weights in flight on every SM: each lane copies its own
-// weight words (cp.async) into its slots of a per-warp shared-memory ring several K chunks ahead,
-// decodes them with the register decoder of expert_gemm_layout.cuh and feeds mma.sync m16n8k16; the
-// tokens are the MMA N dimension (swap AB), 8 per mma. Warps meet only through the activation ring's
-// mbarriers, never at a CTA barrier in the main loop.
+// HBM, so this kernel keeps several K chunks of weights in flight on every SM: per chunk, one thread
+// issues the weights and scales as two bulk tensor copies (TMA) into a shared-memory ring and its warp
+// (two warps for 32-row tiles; the warps take turns by chunk) adds the activation rows (cp.async); every warp decodes its weights with the register
+// decoder of expert_gemm_layout.cuh and feeds mma.sync m16n8k16; the tokens are the MMA N dimension
+// (swap AB), 8 per mma. Warps meet only through the ring's mbarriers, never at a CTA barrier in the
+// main loop.
 //
-// CTA = 256 threads (8 warps); 4 CTAs per SM with 16-row tiles (51 KiB of shared memory each), 2 with
-// 32-row tiles (75 KiB), over
+// CTA = 256 threads (8 warps); 4 CTAs per SM with 16-row tiles (53 KiB of shared memory each), 2 with
+// 32-row tiles (105 KiB), over
 //   one tile (expert e, <= 16 or 32 token rows) x 128 weight rows x the K chunks of its split:
 //     plain / GEMM2: warp w owns the m16 tile of row groups 16*ntile + 2w (rows g) and 2w+1 (rows g+8);
 //     gated GEMM1:   warp w owns gate row group ig = 8*ntile + w (rows g) and up row group I/8 + ig
@@ -15,22 +16,23 @@
 //   Grid (1-D): blockIdx.x = (tile * split_k + split) * n_ctas + ntile; CTAs past *num_tiles leave.
 //   Split s covers K chunks [s*cps, min(chunks, (s+1)*cps)), cps = ceil(chunks / split_k) (may be empty).
 //
-// Shared memory (dynamic, StreamTile<>):
-//   weight ring  [8 warps][kWeightStages][1152 B]: per lane 16 B of each row group (prepacked layout:
-//                512 B per (row group, chunk), lane*16), then the 2 x 64 scale bytes of the chunk;
-//   activation ring [kActStages][tile rows][128 bf16], rows 256 B apart, 16-byte segment c of row r
-//                at c ^ (r & 7); full[kActStages] (256 arrivals: every thread's copies landed) and
-//                empty[kActStages] (8 arrivals: every warp is done with the stage) mbarriers.
+// Shared memory (dynamic, StreamTile<>): kStages ring stages, one K chunk each,
+//   [weights: 16 row-group slots x 512 B][scales: 16 x 64 B][activations: tile rows x 272 B]
+//   (weights and scales in the prepacked layout of expert_gemm_layout.cuh, lane l's 16 bytes of a slot
+//   at l * 16; activation rows of 128 bf16 padded to kActRowStride), then full[kStages] (the copy
+//   lanes' cp.async arrivals + one expect_tx arrival: every byte of the stage landed) and
+//   empty[kStages] (8 arrivals: every warp is done with the stage) mbarriers.
 //
 // Steps, per CTA:
-//   1. Initialise the mbarriers; issue the copies of the first kPrefetch chunks (weights: 2 x 16 B +
-//      2 x 8 B per lane; activations: one or two 16-byte cp.async per thread, zero-filled past the
-//      tile's rows and past K, nothing past a row is read). GEMM1 with a_row_to_entry (the gather
-//      fused): tile row r is copied from the un-permuted activation row a_row_to_entry[r] / a_top_k.
-//   2. Per chunk kc (see mainloop): refill chunk kc + kPrefetch, wait for chunk kc's weights (own
-//      copies) and activations (full[]), then per word q (k16 steps 2q, 2q+1): decode_word +
-//      decode_scale_pair + bf16x2 multiplies -> A fragments (rows g / g+8), ldmatrix (x4: both n8
-//      halves; x2 when NT = 8) -> B fragments, mma.sync per n8 half; the warp then arrives on empty[].
+//   1. Initialise the mbarriers (before the dependency wait); the lanes of fill group 0 whose tile row
+//      is past the tile's rows zero that row in every stage; issue the copies of the first kPrefetch chunks (see
+//      mainloop). GEMM1 with a_row_to_entry (the gather fused): tile row r is copied from the
+//      un-permuted activation row a_row_to_entry[r] / a_top_k.
+//   2. Per chunk kc (see mainloop): fill group (kc + kPrefetch) % kFillGroups refills chunk
+//      kc + kPrefetch; every warp waits for
+//      full[] of chunk kc, then per word q (k16 steps 2q, 2q+1): decode_word + decode_scale_pair +
+//      bf16x2 multiplies -> A fragments (rows g / g+8), ldmatrix (x4: both n8 halves; x2 when NT = 8)
+//      -> B fragments, mma.sync per n8 half; the warp then arrives on empty[].
 //   3. split_k > 1: every CTA stores its accumulators (fragment order, 8 floats per thread) as the
 //      split's partial; the last CTA to arrive on the output tile's counter (atomicAdd) resets the
 //      counter to 0 and sums the partials in split order 0..split_k-1 (deterministic), then runs 4.
@@ -49,18 +51,19 @@
 //   D 16x8: c0, c1 = row g, tokens 2t, 2t+1; c2, c3 = row g+8, same tokens.
 //   acc[h][4]: n8 tile h (tokens 8h..8h+7); NT (8, 16 or 32 <= tile rows) covers the valid rows.
 //
-// NOTE (why shared memory for the weights, although every weight byte is used by one lane only): a
-// register ring of 4 chunks took all 128 registers (16 warps per SM) and a CTA barrier per chunk tied
-// the warps together. The cp.async ring costs no registers (64 with 16-row tiles: 4 CTAs, 32 warps
-// per SM) and an LDS per 16 bytes; in flight per SM: 32 warps x 2 chunks x 1152 B ~ 74 KB. With it the
-// kernel is bound by instructions, not by memory: the same load pattern without decode or MMA reads
-// 4.18 TB/s on an H200 (bench/micro/weight_stream_pattern.cu), while ncu shows issue slots 74% busy
-// with math-pipe throttle the largest stall after "not selected" (docs/perf.md, decode 2026-12-01).
-// Consecutive chunks of a row group are adjacent in the prepacked layout (L2::256B prefetch hint).
-// NOTE (activations in shared memory): the <= 16 token rows are shared by the 8 warps; fragments
+// NOTE (why bulk copies for the weights): the kernel is bound by instructions, not by memory (the
+// copy-only load pattern of bench/micro/weight_stream_pattern.cu reads 4.18 TB/s on an H200, while ncu
+// showed issue slots 74% busy with math-pipe throttle the largest stall after "not selected"). With
+// per-lane cp.async into per-warp rings, every warp spent ~60 of its ~225 instructions per chunk on
+// copies, their guards, commit/wait groups and the __syncwarp for the scales; the two bulk copies per
+// chunk cost one thread ~30 instructions and the other warps nothing but the full[] wait (SASS).
+// NOTE (activations in shared memory): the <= 32 token rows are shared by the 8 warps; fragments
 // loaded from global by every warp would cost 16 x 4-byte loads per lane per chunk and n8 half.
-// The stage rows are 256 B apart, so the 16-byte segment c of row r is stored at c ^ (r & 7): the 8
-// row addresses of one ldmatrix matrix then fall into 8 different 16-byte bank groups.
+// The stage rows are 272 B apart (256 B + 16 B of padding), so the 8 row addresses of one ldmatrix
+// matrix fall into 8 different 16-byte bank groups (272 = 16 mod 128), and the address of every k16
+// step is the lane's base plus an immediate. NOTE: the XOR swizzle it replaces (segment c of a
+// 256-byte row at c ^ (r & 7)) cost a LOP3 + IADD per ldmatrix, 16 of the ~225 instructions per warp
+// and chunk of the 8-token main loop (SASS).
 // NOTE (cost): per chunk a lane decodes 64 weights with ~8 x 9 LOP/SHF + 8 scale + 16 HMUL2 ~ 1.9
 // instructions per weight, 4 LDS, 8 ldmatrix and 8 or 16 mma.sync.
 #pragma once
@@ -84,51 +87,63 @@ inline constexpr int kWarps = kThreads / 32;
 inline constexpr int kRowsPerCta = 16 * kWarps;           // 128 weight rows (gated: 64 gate + 64 up)
 inline constexpr int kGroupsPerCta = kRowsPerCta / 8;     // 16 row groups
 inline constexpr int kActRowBytes = fp4layout::kChunkK * 2;          // 256: 128 bf16
-// Per warp and chunk, the weight ring stage holds [wa: 32 lanes x 16 B][wb: 32 x 16 B][scales of row
-// group a: 64 B][of row group b: 64 B]: each lane copies and reads its own weight words; lanes 0-7
-// copy the scales (16 B each), every lane reads the 8 bytes of its row g (after a __syncwarp).
-inline constexpr int kWarpStageBytes = 2 * fp4layout::kChunkBytes + 2 * fp4layout::kChunkScaleBytes;  // 1152
-inline constexpr int kStageOffsetB = fp4layout::kChunkBytes, kStageOffsetScales = 2 * fp4layout::kChunkBytes;
+inline constexpr int kActRowStride = kActRowBytes + 16;              // 272: padded, see the NOTE above
+// One ring stage per K chunk, shared by the 8 warps (StreamTile<>):
+//   [weights: 16 slots x 512 B][scales: 16 slots x 64 B][activations: tile rows x kActRowStride]
+// Slots are the CTA's 16 row groups in the order of one bulk tensor copy (the wgmma kernel's maps,
+// expert_gemm.cu): gated GEMM1 [8 gate groups][8 up groups], otherwise 16 consecutive groups. Warp w
+// reads slots (w, 8 + w) when gated, (2w, 2w + 1) otherwise; lane l its 16 bytes at l * 16 of each.
+inline constexpr int kSlotWeightBytes = kGroupsPerCta * fp4layout::kChunkBytes;       // 8192
+inline constexpr int kSlotScaleBytes = kGroupsPerCta * fp4layout::kChunkScaleBytes;   // 1024
 
 // The two tile sizes (MoeTactic::tile_tokens): 16 token rows (two n8 halves), or 32 (four): an expert
 // with 17..32 rows then streams its weights once instead of twice, for 8 more accumulators and one
-// more activation copy per thread.
-//   kWeightStages: per-warp weight ring depth; chunks kc+1 .. kc+kPrefetch are in flight while chunk
-//                  kc is decoded (kPrefetch = kWeightStages - 1: the stage refilled at the top of an
-//                  iteration is the one the warp decoded in the previous iteration).
-//   kActStages:    activation ring depth (shared by the 8 warps); > kPrefetch, so a refill waits only
-//                  for every warp to be done with chunk kc + kPrefetch - kActStages: warps may drift
-//                  kActStages - kPrefetch chunks apart instead of meeting at a barrier every chunk.
+// more copy warp.
+//   kStages:   ring depth; kPrefetch chunks (kc+1 .. kc+kPrefetch) are in flight while chunk kc is
+//              decoded. kStages > kPrefetch, so the refill of chunk kc + kPrefetch waits only for every
+//              warp to be done with chunk kc + kPrefetch - kStages: warps drift up to
+//              kStages - kPrefetch chunks apart instead of meeting at a barrier every chunk.
+//   kCopyWarps: the warps that fill one stage (16 activation rows per warp: lane l of the group's
+//              warp c copies the 8 segments 8 (l % 2) .. of row 16 c + l / 2; lane 0 of its first warp
+//              also issues the two bulk tensor copies, weights and scales). Chunk kn is filled by
+//              group kn % kFillGroups (warps [kCopyWarps g, +kCopyWarps)).
+// NOTE (rotating fill): with one filling warp for every chunk, that warp carried ~45 more instructions
+// per chunk than the others and paced the CTA when few CTAs share an SM (qwen3-30b-a3b T = 1: +7%
+// layer time against per-lane copies); rotating the fill spreads it over all warps.
 template <int TileRows>
 struct StreamTile {
   static_assert(TileRows == 16 || TileRows == 32, "tile_tokens is 16 or 32");
   static constexpr int kTileRows = TileRows;
   static constexpr int kHalves = TileRows / 8;                        // n8 accumulator tiles
   static constexpr int kCtasPerSm = TileRows == 16 ? 4 : 2;          // __launch_bounds__ min blocks
-  // NOTE (depths, measured on an H200 over 28 decode rows): 3 weight stages with 4 CTAs per SM (16-row
-  // tiles) and a 6-deep activation ring took 2.3% off the sum against 4 stages, 3 CTAs and 8; a 4-deep
-  // activation ring was 1-3% slower at either occupancy (the warps of a CTA drift at most
-  // kActStages - kPrefetch chunks apart). The 64-register cap spills 4 B in the 16-row GEMM1 kernel,
-  // reloaded only in the epilogue (SASS: no local memory access in the main loops).
-  static constexpr int kWeightStages = 3;
-  static constexpr int kPrefetch = kWeightStages - 1;
-  static constexpr int kActStages = 6;  // the main loop is unrolled by kActStages: every ring index is an immediate
-  static constexpr int kActStageBytes = TileRows * kActRowBytes;     // 4 / 8 KiB
-  static constexpr int kWeightRingBytes = kWarps * kWeightStages * kWarpStageBytes;  // 27 KiB
-  static constexpr int kActRingOffset = kWeightRingBytes;
-  static constexpr int kBarrierOffset = kActRingOffset + kActStages * kActStageBytes;
-  static constexpr int kSmemBytes = kBarrierOffset + 2 * kActStages * 8;  // + full[], empty[] mbarriers
-  static constexpr int kCopies = TileRows * (kActRowBytes / 16) / kThreads;  // 16-byte copies per thread per chunk
+  // NOTE (depths): the bytes in flight per SM are those of the per-warp rings this replaced (16-row
+  // tiles: 4 CTAs x 2 chunks x 9 KiB ~ 74 KB, which streamed 4.18 TB/s in the copy-only pattern of
+  // bench/micro/weight_stream_pattern.cu); 32-row tiles run 2 CTAs per SM, so they prefetch 3.
+  static constexpr int kStages = TileRows == 16 ? 4 : 6;
+  static constexpr int kPrefetch = TileRows == 16 ? 2 : 3;
+  static constexpr int kActStageBytes = TileRows * kActRowStride;    // 4352 / 8704 B
+  static constexpr int kActOffset = kSlotWeightBytes + kSlotScaleBytes;  // in a stage
+  static constexpr int kStageBytes = kActOffset + kActStageBytes;   // 13568 / 17920 B
+  static constexpr int kTmaBytes = kSlotWeightBytes + kSlotScaleBytes;  // expect_tx per stage
+  static constexpr int kRingBytes = kStages * kStageBytes;
+  static constexpr int kBarrierOffset = kRingBytes;
+  static constexpr int kSmemBytes = kBarrierOffset + 2 * kStages * 8;  // + full[], empty[] mbarriers
+  static constexpr int kCopyWarps = TileRows / 16;
+  static constexpr int kFillGroups = kWarps / kCopyWarps;             // 8 / 4: a power of two
+  static constexpr int kLaneCopies = 8;                              // 16-byte segments per copy lane and chunk
+  static constexpr int kFullArrivals = kCopyWarps * 32 + 1;          // cp.async arrivals + the expect_tx one
   static constexpr int kStgStride = TileRows + 8;  // floats per staging row: float2 writes conflict-free
   static constexpr int kPartialFloats = kThreads * 4 * kHalves;      // one split's partial of an output tile
-  static_assert(kActStages > kPrefetch && kPrefetch >= 1, "the activation ring must be deeper than the prefetch");
-  static_assert(kActStages % kWeightStages == 0, "both rings wrap at the end of an unrolled main-loop pass");
+  static_assert(kStages > kPrefetch && kPrefetch >= 1, "the ring must be deeper than the prefetch");
+  static_assert(kCopyWarps * 32 * kLaneCopies == TileRows * (kActRowBytes / 16), "activation copies split evenly");
+  static_assert((kFillGroups & (kFillGroups - 1)) == 0, "kn % kFillGroups as a mask");
   // NOTE: kCtasPerSm x (dynamic + 1 KiB reserved per block + 128 B static) within 227 KiB.
   static_assert(kCtasPerSm * (kSmemBytes + 1024 + 128) <= 227 * 1024, "kCtasPerSm CTAs must fit in shared memory");
-  static_assert(kRowsPerCta * kStgStride * 4 <= kWeightRingBytes, "GEMM1 staging overlays the weight ring");
+  static_assert(kRowsPerCta * kStgStride * 4 <= kRingBytes, "GEMM1 staging overlays the ring");
   static_assert(kStgStride % 32 == 8 || kStgStride % 32 == 24, "8 rows x 4 lanes of float2 on distinct banks");
-  static_assert(kCopies * kThreads == TileRows * (kActRowBytes / 16), "activation copies split evenly");
-  static_assert(kActRingOffset % 128 == 0 && kBarrierOffset % 8 == 0, "ring alignment");
+  // NOTE: bulk tensor copies need 16-byte aligned shared destinations; 128 keeps every stage on a line.
+  static_assert(kStageBytes % 128 == 0 && kActOffset % 16 == 0 && kBarrierOffset % 8 == 0, "ring alignment");
+  static_assert(kActRowStride % 128 == 16, "8 consecutive rows on 8 distinct 16-byte bank groups");
 };
 
 struct StreamParams {
@@ -139,21 +154,20 @@ struct StreamParams {
   float* partials;           // [max_tiles * n_ctas * split_k][StreamTile::kPartialFloats] (split_k > 1)
 };
 
+// The bulk tensor copy maps of one launch (encoded on the host by gemm_detail::encode_weight_maps with
+// kGroupsPerCta slots), passed as a __grid_constant__ parameter.
+struct StreamMaps {
+  CUtensorMap w;      // prepacked weights, box = the CTA's 16 slots of one chunk
+  CUtensorMap scale;  // the same over the prepacked scales
+};
+
 // ---- PTX wrappers -----------------------------------------------------------------------------------
-// Weight and scale copies into the warp's ring: read once, never reused by this SM (.cg: no L1
-// allocation); 256-byte L2 prefetch (the next chunk of a row group follows its current one).
-__device__ __forceinline__ void cp_async_weights16(uint32_t dst, const uint8_t* src) {
-  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
-}
-__device__ __forceinline__ void cp_async_scales16(uint32_t dst, const uint8_t* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
-}
 // The mbarrier counts one arrival of this thread once all of its earlier cp.async copies have landed
-// (init count: one arrival per thread and phase).
+// (init count: one arrival per copying thread and phase).
 __device__ __forceinline__ void cp_async_arrive_noinc(uint32_t bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
 }
-// "memory": the shared-memory reads stay after the __syncthreads that publishes the stage.
+// "memory": the shared-memory reads stay after the mbarrier wait that publishes the stage.
 __device__ __forceinline__ void ldsm_x4(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
                : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
@@ -173,111 +187,134 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4],
 }
 
 // ---- main loop ----------------------------------------------------------------------------------------
-// Chunks [c0, c1) of this CTA's split. w_a / w_b: this lane's weight word of chunk c0 of the warp's two
-// row groups (rows g, rows g+8); s_src: the 16 scale bytes lane l < 8 copies (row group a for l < 4, b
-// for 4 <= l < 8) of chunk c0, nullptr for l >= 8; wvalid: the warp's rows lie inside N (warp-uniform;
-// otherwise it copies and computes no weights but still copies activations and takes part in the
-// barriers). a_src[i]: this thread's activation row i (token row tid/16 + 16i of the tile) or nullptr
-// past the tile's rows.
+// What the stage copies of one CTA need (set up once per CTA by the kernel).
+struct StageSource {
+  const CUtensorMap* w_map;
+  const CUtensorMap* s_map;
+  int group0;                 // first group coordinate of the box (within the half when gated)
+  int expert;
+  bool gated;                 // 5-D maps (half coordinate 0: the box spans both halves)
+  const __nv_bfloat16* a_row; // copy lanes: this lane's activation row (column 0), p.a past the tile's rows
+  bool row_ok;                // the row is one of the tile's valid rows
+};
+
+// This lane's 8 activation segments in stage 0 when its warp fills a stage (row 16 c + l / 2, c = the
+// warp's place in its fill group; segments 8 (l % 2) ..).
+template <class C>
+__device__ __forceinline__ uint32_t act_copy_dst(uint32_t smem_base, int warp, int lane) {
+  return smem_base + C::kActOffset + (16 * (warp % C::kCopyWarps) + lane / 2) * kActRowStride +
+         (lane & 1) * C::kLaneCopies * 16;
+}
+// NOTE: an activation row past the tile's rows is zeroed once in every stage (before the CTA barrier
+// that precedes the main loop) instead of being zero-filled by cp.async every chunk: the MMA columns
+// of those tokens are never stored, but a stale NaN there would still be read.
+template <class C>
+__device__ __forceinline__ void zero_idle_act_row(uint32_t smem_base, int warp, int lane) {
+  const uint32_t dst = act_copy_dst<C>(smem_base, warp, lane);
+#pragma unroll
+  for (int s = 0; s < C::kStages; ++s)
+#pragma unroll
+    for (int i = 0; i < C::kLaneCopies; ++i) sm90gemm::sts128_zero(dst + s * C::kStageBytes + i * 16);
+}
+
+// Chunks [c0, c1) of this CTA's split. wvalid: the warp's rows lie inside N (warp-uniform; otherwise
+// it computes no weights but still waits and arrives on the barriers). slot_a / slot_b: the warp's
+// slots (rows g / g+8 of its m16 tile).
 //
-// Per chunk kc (iteration order; all threads):
-//   a. refill: chunk kn = kc + kPrefetch (if < c1): wait until every warp is done with the activation
-//      stage's previous chunk kn - kActStages (empty[], skipped in the first pass), copy this thread's
-//      activation segments (zero-filled past the tile's rows and past K), arrive on full[] once they
-//      have landed (cp.async.mbarrier.arrive.noinc), then copy this lane's weights (and scales) into
-//      the warp's weight stage of chunk kn (the stage decoded in the previous iteration); one commit
-//      group per iteration, possibly empty.
-//   b. wait: this thread's own copies of chunk kc (cp.async.wait_group kPrefetch), __syncwarp (the
-//      scales of lanes 0-7), then the whole activation stage of chunk kc (full[], all 256 threads).
+// Per chunk kc (iteration order):
+//   a. refill (the warps of fill group kn % kFillGroups only): chunk kn = kc + kPrefetch (if < c1) into
+//      stage kn % kStages: wait until every warp is done with the stage's previous chunk (empty[],
+//      skipped in the first pass); lane 0 of the group arrives on full[] with expect_tx of the two bulk
+//      copies and issues them; every lane of the group issues its 8 activation segments (zero-filled
+//      past K; rows past the tile's are zero already) and arrives on full[] once they have landed
+//      (cp.async.mbarrier.arrive.noinc).
+// NOTE (no deadlock): chunk m is filled at its filler's iteration m - kPrefetch, after every warp is
+// done with chunk m - kStages; the slowest warp (at iteration i) waits only for chunk i, whose filler
+// is at an iteration >= i > i - kPrefetch, and every warp is past chunk i - kStages + kPrefetch.
+//   b. wait: full[] of chunk kc's stage (every byte of the stage landed).
 //   c. decode + MMA as described in the file header; then the warp arrives on empty[] of the stage.
-// The loop runs in passes of kActStages chunks, unrolled, so that every stage offset, every parity
-// and every source offset (chunk - pass start) is a compile-time constant.
+// The loop runs in passes of kStages chunks, unrolled, so that every stage offset, every parity and
+// every source offset (chunk - pass start) is a compile-time constant.
 template <class C, int NT>
-__device__ __forceinline__ void mainloop(const Params& p, uint32_t smem_base, const uint8_t* w_a, const uint8_t* w_b,
-                                         const uint8_t* s_src, const bool wvalid,
-                                         const __nv_bfloat16* const (&a_src)[C::kCopies], int c0, int c1,
-                                         float (&acc)[C::kHalves][4]) {
+__device__ __forceinline__ void mainloop(const Params& p, uint32_t smem_base, const StageSource& src, const bool wvalid,
+                                         int slot_a, int slot_b, int c0, int c1, float (&acc)[C::kHalves][4]) {
   static_assert(NT <= C::kTileRows, "mma width past the tile");
-  constexpr int kActStageBytes = C::kActStageBytes, kActStages = C::kActStages;
-  constexpr int kWeightStages = C::kWeightStages, kPrefetch = C::kPrefetch;
+  constexpr int kStages = C::kStages, kPrefetch = C::kPrefetch, kStageBytes = C::kStageBytes;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4;
-  const uint32_t act_ring = smem_base + C::kActRingOffset;
-  const uint32_t full_bar = smem_base + C::kBarrierOffset;         // [kActStages] mbarriers, 8 B each
-  const uint32_t empty_bar = full_bar + kActStages * 8;            // [kActStages]
-  // This lane's slots in stage 0 of the warp's weight ring (stage s: + s * kWarpStageBytes).
-  const uint32_t wring = smem_base + warp * kWeightStages * kWarpStageBytes;
-  const uint32_t slot_wa = wring + lane * 16, slot_wb = wring + kStageOffsetB + lane * 16;
-  const uint32_t slot_s_copy = wring + kStageOffsetScales + lane * 16;  // lanes 0-7
-  const uint32_t slot_sa = wring + kStageOffsetScales + g * 8, slot_sb = slot_sa + fp4layout::kChunkScaleBytes;
-  const bool copies_scales = wvalid && s_src != nullptr;
-  // Activation copy i of this thread: row r = tid/16 + 16i, 16-byte segment c, stored at c ^ (r & 7)
-  // (r + 16 has the same r & 7).
-  const int cr = tid / 16, cc = tid % 16;
-  const uint32_t copy_dst = act_ring + cr * kActRowBytes + ((cc ^ (cr & 7)) << 4);
+  const uint32_t full_bar = smem_base + C::kBarrierOffset;  // [kStages] mbarriers, 8 B each
+  const uint32_t empty_bar = full_bar + kStages * 8;        // [kStages]
+  // This lane's weight words and scale bytes in stage 0 (stage s: + s * kStageBytes).
+  const uint32_t wa_addr = smem_base + slot_a * fp4layout::kChunkBytes + lane * 16;
+  const uint32_t wb_addr = smem_base + slot_b * fp4layout::kChunkBytes + lane * 16;
+  const uint32_t sa_addr = smem_base + kSlotWeightBytes + slot_a * fp4layout::kChunkScaleBytes + g * 8;
+  const uint32_t sb_addr = smem_base + kSlotWeightBytes + slot_b * fp4layout::kChunkScaleBytes + g * 8;
+  // When this warp fills: lane l copies row 16 (w % kCopyWarps) + l / 2, segments 8 (l % 2) .. + 7.
+  const int fill_group = warp / C::kCopyWarps;
+  const bool tma_lane = warp % C::kCopyWarps == 0 && lane == 0;
+  const int seg0 = (lane & 1) * C::kLaneCopies;
+  const uint32_t copy_dst = act_copy_dst<C>(smem_base, warp, lane);
 
-  // Sources of chunk `base` (the pass start); chunk base + j is at + j * (chunk stride).
-  const uint8_t* wa_it = w_a;
-  const uint8_t* wb_it = w_b;
-  const uint8_t* s_it = s_src;
-  const __nv_bfloat16* a_it[C::kCopies];
-#pragma unroll
-  for (int i = 0; i < C::kCopies; ++i) a_it[i] = a_src[i] != nullptr ? a_src[i] + c0 * fp4layout::kChunkK + cc * 8 : nullptr;
-  int col_it = c0 * fp4layout::kChunkK + cc * 8;  // K column of this thread's segment in chunk `base`
-
-  // Copies of chunk base + j into activation stage j % kActStages and weight stage j % kWeightStages;
-  // first_pass: no earlier chunk used the activation stage (no empty[] wait); e_parity: the parity of
-  // the empty[] phase of that earlier chunk.
   auto refill = [&](int kn, int j, bool first_pass, uint32_t e_parity) {
-    if (kn < c1) {
-      const int sa = j % kActStages, sw = j % kWeightStages;
-      if (!first_pass) sm90gemm::mbar_wait(empty_bar + sa * 8, e_parity);
-      const bool col_ok = col_it + j * fp4layout::kChunkK < p.K;  // K % 16 == 0: a segment is wholly in or out
-#pragma unroll
-      for (int i = 0; i < C::kCopies; ++i) {
-        const bool ok = a_it[i] != nullptr && col_ok;
-        sm90gemm::cp_async16(copy_dst + sa * kActStageBytes + i * 16 * kActRowBytes,
-                             ok ? a_it[i] + j * fp4layout::kChunkK : p.a, ok ? 16u : 0u);
-      }
-      cp_async_arrive_noinc(full_bar + sa * 8);
-      if (wvalid) {
-        cp_async_weights16(slot_wa + sw * kWarpStageBytes, wa_it + j * fp4layout::kChunkBytes);
-        cp_async_weights16(slot_wb + sw * kWarpStageBytes, wb_it + j * fp4layout::kChunkBytes);
-        if (copies_scales) cp_async_scales16(slot_s_copy + sw * kWarpStageBytes, s_it + j * fp4layout::kChunkScaleBytes);
+    if (kn >= c1 || (kn & (C::kFillGroups - 1)) != fill_group) return;  // warp-uniform
+    const int s = j % kStages;
+    if (!first_pass) sm90gemm::mbar_wait(empty_bar + s * 8, e_parity);
+    const uint32_t full = full_bar + s * 8, stage = smem_base + s * kStageBytes;  // (slots, 512 B) ...
+    if (tma_lane) {
+      sm90gemm::mbar_arrive_expect_tx(full, C::kTmaBytes);  // out-of-bounds parts of a box count as well
+      if (src.gated) {  // (expert, half, group, chunk): slots [gate groups][up groups]
+        sm90gemm::tma_load_5d(stage, src.w_map, full, 0, kn, src.group0, 0, src.expert);
+        sm90gemm::tma_load_5d(stage + kSlotWeightBytes, src.s_map, full, 0, kn, src.group0, 0, src.expert);
+      } else {  // (expert, group, chunk): 16 consecutive groups
+        sm90gemm::tma_load_4d(stage, src.w_map, full, 0, kn, src.group0, src.expert);
+        sm90gemm::tma_load_4d(stage + kSlotWeightBytes, src.s_map, full, 0, kn, src.group0, src.expert);
       }
     }
-    sm90gemm::cp_async_commit();  // always (possibly empty): one group per chunk keeps the count
+    // Rows past the tile's are zero in every stage (zero_idle_rows) and never copied.
+    if (src.row_ok) {
+      const int col = kn * fp4layout::kChunkK + seg0 * 8;  // K % 16 == 0: a segment is wholly in or out
+      const uint32_t dst = copy_dst + s * kStageBytes;
+      if (col + 8 * C::kLaneCopies <= p.K) {  // all 8 segments inside K: one base, immediate offsets
+        const __nv_bfloat16* from = src.a_row + col;
+#pragma unroll
+        for (int i = 0; i < C::kLaneCopies; ++i) sm90gemm::cp_async16(dst + i * 16, from + 8 * i, 16u);
+      } else {  // the last chunk when K % 128 != 0: segments past K are zero-filled, nothing is read
+#pragma unroll
+        for (int i = 0; i < C::kLaneCopies; ++i) {
+          const bool ok = col + 8 * i < p.K;
+          sm90gemm::cp_async16(dst + i * 16, ok ? src.a_row + col + 8 * i : src.a_row, ok ? 16u : 0u);
+        }
+      }
+    }
+    cp_async_arrive_noinc(full);  // at once for a lane without copies
   };
   // ldmatrix row address of this lane: matrices (tokens 0-7, seg 2s), (0-7, 2s+1), (8-15, 2s), (8-15, 2s+1)
-  // for lanes 0-7, 8-15, 16-23, 24-31 (x2 uses the first two). Segment (2s + hi) ^ (r & 7) = 2s ^ lx.
-  const int lr = (lane & 7) + ((lane >> 4) << 3), lx = ((lane >> 3) & 1) ^ (lane & 7);
-  const uint32_t ldsm_base = act_ring + lr * kActRowBytes;
+  // for lanes 0-7, 8-15, 16-23, 24-31 (x2 uses the first two): row lr, segment 2s + hi.
+  const int lr = (lane & 7) + ((lane >> 4) << 3), hi = (lane >> 3) & 1;
+  const uint32_t ldsm_base = smem_base + C::kActOffset + lr * kActRowStride + hi * 16;
 
 #pragma unroll
   for (int j = 0; j < kPrefetch; ++j) refill(c0 + j, j, true, 0);
   uint32_t pass_parity = 0;  // parity of the current pass's full[] phases (and of its empty[] phases)
 #pragma unroll 1
-  for (int base = c0; base < c1; base += kActStages) {
+  for (int base = c0; base < c1; base += kStages) {
     const bool first = base == c0;
 #pragma unroll
-    for (int d = 0; d < kActStages; ++d) {
+    for (int d = 0; d < kStages; ++d) {
       const int kc = base + d;
       if (kc >= c1) break;  // CTA-uniform
-      // Chunk kn = kc + kPrefetch: in this pass (j < kActStages: its stage was last used in the previous
-      // pass, phase parity ^ 1) or in the next one (j >= kActStages: used in this pass, phase parity).
+      // Chunk kn = kc + kPrefetch: in this pass (j < kStages: its stage was last used in the previous
+      // pass, phase parity ^ 1) or in the next one (j >= kStages: used in this pass, phase parity).
       const int j = d + kPrefetch;
-      if (j < kActStages) refill(kc + kPrefetch, j, first, pass_parity ^ 1u);
+      if (j < kStages) refill(kc + kPrefetch, j, first, pass_parity ^ 1u);
       else refill(kc + kPrefetch, j, false, pass_parity);
-      // Groups committed: kPrefetch + (kc - c0 + 1); chunk kc's is the (kc - c0 + 1)-th.
-      sm90gemm::cp_async_wait<kPrefetch>();
-      __syncwarp();  // the scale copies of lanes 0-7 are visible to the warp
       sm90gemm::mbar_wait(full_bar + d * 8, pass_parity);
       if (wvalid) {  // warp-uniform: rows past N
-        const uint32_t off = (d % kWeightStages) * kWarpStageBytes;
-        const uint4 wa = sm90gemm::lds128(slot_wa + off);
-        const uint4 wb = sm90gemm::lds128(slot_wb + off);
-        const uint2 sa = sm90gemm::lds64(slot_sa + off);
-        const uint2 sb = sm90gemm::lds64(slot_sb + off);
-        const uint32_t stage = ldsm_base + d * kActStageBytes;
+        const uint32_t off = d * kStageBytes;
+        const uint4 wa = sm90gemm::lds128(wa_addr + off);
+        const uint4 wb = sm90gemm::lds128(wb_addr + off);
+        const uint2 sa = sm90gemm::lds64(sa_addr + off);
+        const uint2 sb = sm90gemm::lds64(sb_addr + off);
+        const uint32_t stage = ldsm_base + off;
 #pragma unroll
         for (int q = 0; q < 4; ++q) {
           uint32_t f[2][4];  // k16 steps 2q, 2q+1
@@ -285,12 +322,12 @@ __device__ __forceinline__ void mainloop(const Params& p, uint32_t smem_base, co
 #pragma unroll
           for (int st = 0; st < 2; ++st) {
             const int s = 2 * q + st;  // k16 step of the chunk: 16-byte segments 2s, 2s+1
-            const uint32_t addr = stage + (((2 * s) ^ lx) << 4);
+            const uint32_t addr = stage + s * 32;  // segment 2s (+ hi in the lane's base)
             if constexpr (NT >= 16) {
 #pragma unroll
               for (int q16 = 0; q16 < NT / 16; ++q16) {  // tokens 16 q16 .. 16 q16 + 15
                 uint32_t b0, b1, b2, b3;
-                ldsm_x4(addr + q16 * 16 * kActRowBytes, b0, b1, b2, b3);
+                ldsm_x4(addr + q16 * 16 * kActRowStride, b0, b1, b2, b3);
                 mma_16816(acc[2 * q16], f[st], b0, b1);
                 mma_16816(acc[2 * q16 + 1], f[st], b2, b3);
               }
@@ -302,21 +339,13 @@ __device__ __forceinline__ void mainloop(const Params& p, uint32_t smem_base, co
           }
         }
       }
-      // NOTE: every lane's ldmatrix results are consumed above; the warp's arrival (release) after
+      // NOTE: every lane's shared-memory results are consumed above; the warp's arrival (release) after
       // __syncwarp orders all of its reads of the stage before any refill that waits on it.
       __syncwarp();
       if (lane == 0) sm90gemm::mbar_arrive(empty_bar + d * 8);
     }
-    wa_it += kActStages * fp4layout::kChunkBytes;
-    wb_it += kActStages * fp4layout::kChunkBytes;
-    if (copies_scales) s_it += kActStages * fp4layout::kChunkScaleBytes;
-#pragma unroll
-    for (int i = 0; i < C::kCopies; ++i)
-      if (a_it[i] != nullptr) a_it[i] += kActStages * fp4layout::kChunkK;
-    col_it += kActStages * fp4layout::kChunkK;
     pass_parity ^= 1u;
   }
-  sm90gemm::cp_async_wait<0>();  // only empty groups can be pending; the rings may be reused after this
 }
 
 // ---- GEMM2 with the finalize fused (top_k >= 2) --------------------------------------------------------
@@ -424,12 +453,25 @@ struct Gemm1Pairs {
 // ---- kernel -------------------------------------------------------------------------------------------
 // kGemm2: GEMM2 epilogue (y or the fused top-1 finalize); otherwise GEMM1 (gated or relu2, at run time).
 template <bool kGemm2, int TileRows>
-__global__ void __launch_bounds__(kThreads, StreamTile<TileRows>::kCtasPerSm) expert_gemm_stream_kernel(const StreamParams sp) {
+__global__ void __launch_bounds__(kThreads, StreamTile<TileRows>::kCtasPerSm)
+    expert_gemm_stream_kernel(const StreamParams sp, const __grid_constant__ StreamMaps maps) {
   using C = StreamTile<TileRows>;
   constexpr int kTileRows = C::kTileRows, kHalves = C::kHalves, kStgStride = C::kStgStride;
   constexpr int kPartialFloats = C::kPartialFloats;
-  extern __shared__ __align__(128) uint8_t smem[];  // C::kSmemBytes: weight ring, activation ring, mbarriers
+  extern __shared__ __align__(128) uint8_t smem[];  // C::kSmemBytes: the ring, mbarriers
   __shared__ int s_last;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
+  const uint32_t smem_base = sm90gemm::smem_addr(smem);
+  // NOTE: the barriers and the map prefetch do not depend on the previous kernel: before its wait.
+  if (tid == 0) {
+    for (int i = 0; i < C::kStages; ++i) {
+      sm90gemm::mbar_init(smem_base + C::kBarrierOffset + i * 8, C::kFullArrivals);        // full[i]
+      sm90gemm::mbar_init(smem_base + C::kBarrierOffset + (C::kStages + i) * 8, kWarps);  // empty[i]
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");  // visible to the async proxy
+    sm90gemm::tma_prefetch(&maps.w);
+    sm90gemm::tma_prefetch(&maps.scale);
+  }
   dependent_launch_prologue();
   const Params& p = sp.base;
 
@@ -440,62 +482,47 @@ __global__ void __launch_bounds__(kThreads, StreamTile<TileRows>::kCtasPerSm) ex
   const int tile = static_cast<int>(bid / sp.split_k);
   if (tile >= *p.num_tiles) return;  // the whole CTA leaves before any barrier
   const int expert = p.tile_expert[tile];
+  const bool gated = !kGemm2 && p.epilogue == Epilogue::Gemm1Gated;
+  StageSource src{&maps.w, &maps.scale, gated ? ntile * (kGroupsPerCta / 2) : ntile * kGroupsPerCta, expert, gated,
+                  p.a, false};
   int valid_rows;
-  const __nv_bfloat16* a_src[C::kCopies];  // this thread's activation rows (tid / 16 + 16 i) or nullptr
   {
     const int64_t row_start = p.tile_row_start[tile];
     valid_rows = static_cast<int>(min(static_cast<int64_t>(kTileRows), p.expert_offsets[expert + 1] - row_start));
     if (valid_rows <= 0) return;
-#pragma unroll
-    for (int i = 0; i < C::kCopies; ++i) {
-      const int arow = threadIdx.x / 16 + 16 * i;
+    const int arow = 16 * (warp % C::kCopyWarps) + lane / 2;  // this lane's tile row when its warp fills
+    if (arow < valid_rows) {
       int64_t src_row = row_start + arow;  // GEMM1 with the gather fused: the token of the row's entry
-      if (!kGemm2 && p.a_row_to_entry != nullptr && arow < valid_rows) src_row = p.a_row_to_entry[src_row] / p.a_top_k;
-      a_src[i] = arow < valid_rows ? p.a + src_row * static_cast<int64_t>(p.K) : nullptr;
+      if (!kGemm2 && p.a_row_to_entry != nullptr) src_row = p.a_row_to_entry[src_row] / p.a_top_k;
+      src.a_row = p.a + src_row * static_cast<int64_t>(p.K);
+      src.row_ok = true;
     }
   }
 
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
-  const bool gated = !kGemm2 && p.epilogue == Epilogue::Gemm1Gated;
-  int grp_a, grp_b;  // row groups of rows g and g+8 of this warp's m16 tile
+  int slot_a, slot_b;  // the warp's slots (rows g and g+8 of its m16 tile)
   bool wvalid;
   if (gated) {
-    const int half = p.groups / 2, ig = ntile * (kGroupsPerCta / 2) + warp;
-    wvalid = ig < half;
-    grp_a = ig;
-    grp_b = half + ig;
+    wvalid = ntile * (kGroupsPerCta / 2) + warp < p.groups / 2;
+    slot_a = warp;
+    slot_b = kGroupsPerCta / 2 + warp;
   } else {
-    grp_a = ntile * kGroupsPerCta + 2 * warp;  // groups is even (N % 16 == 0): grp_a + 1 < groups too
-    wvalid = grp_a < p.groups;
-    grp_b = grp_a + 1;
+    wvalid = ntile * kGroupsPerCta + 2 * warp < p.groups;  // groups is even (N % 16 == 0)
+    slot_a = 2 * warp;
+    slot_b = 2 * warp + 1;
   }
   const int c0 = split * sp.chunks_per_split;
   const int c1 = min(p.chunks, c0 + sp.chunks_per_split);
-  const int64_t expert_groups = static_cast<int64_t>(expert) * p.groups;
-  const int64_t ca = (expert_groups + (wvalid ? grp_a : 0)) * p.chunks + c0;  // (group, chunk) index
-  const int64_t cb = (expert_groups + (wvalid ? grp_b : 0)) * p.chunks + c0;
-  const uint8_t* w_a = p.w + ca * fp4layout::kChunkBytes + lane * 16;
-  const uint8_t* w_b = p.w + cb * fp4layout::kChunkBytes + lane * 16;
-  // Lanes 0-3 copy the 64 scale bytes of row group a (16 each), lanes 4-7 those of row group b.
-  const uint8_t* s_src = lane < 8 ? p.w_scale + (lane < 4 ? ca : cb) * fp4layout::kChunkScaleBytes + (lane % 4) * 16
-                                  : nullptr;
-  const uint32_t smem_base = sm90gemm::smem_addr(smem);
-  if (tid == 0) {
-    for (int i = 0; i < C::kActStages; ++i) {
-      sm90gemm::mbar_init(smem_base + C::kBarrierOffset + i * 8, kThreads);                    // full[i]
-      sm90gemm::mbar_init(smem_base + C::kBarrierOffset + (C::kActStages + i) * 8, kWarps);  // empty[i]
-    }
-  }
-  __syncthreads();  // the barriers are initialised before any thread arrives or waits
+  if (warp < C::kCopyWarps && !src.row_ok) zero_idle_act_row<C>(smem_base, warp, lane);  // fill group 0 covers every row
+  __syncthreads();  // the barriers are initialised and the idle rows zeroed before any thread arrives or waits
 
   float acc[kHalves][4];
 #pragma unroll
   for (int h = 0; h < kHalves; ++h)
 #pragma unroll
     for (int r = 0; r < 4; ++r) acc[h][r] = 0.0f;
-  if (valid_rows <= 8) mainloop<C, 8>(p, smem_base, w_a, w_b, s_src, wvalid, a_src, c0, c1, acc);
-  else if (kTileRows == 16 || valid_rows <= 16) mainloop<C, 16>(p, smem_base, w_a, w_b, s_src, wvalid, a_src, c0, c1, acc);
-  else mainloop<C, kTileRows>(p, smem_base, w_a, w_b, s_src, wvalid, a_src, c0, c1, acc);
+  if (valid_rows <= 8) mainloop<C, 8>(p, smem_base, src, wvalid, slot_a, slot_b, c0, c1, acc);
+  else if (kTileRows == 16 || valid_rows <= 16) mainloop<C, 16>(p, smem_base, src, wvalid, slot_a, slot_b, c0, c1, acc);
+  else mainloop<C, kTileRows>(p, smem_base, src, wvalid, slot_a, slot_b, c0, c1, acc);
   // NOTE: the epilogue reloads the tile's row start (L1/L2 hit) rather than keeping it live across the
   // main loop.
   const int64_t row_start = p.tile_row_start[tile];
