@@ -118,7 +118,11 @@ struct StreamTile {
   static constexpr int kCtasPerSm = TileRows == 16 ? 4 : 2;          // __launch_bounds__ min blocks
   // NOTE (depths): the bytes in flight per SM are those of the per-warp rings this replaced (16-row
   // tiles: 4 CTAs x 2 chunks x 9 KiB ~ 74 KB, which streamed 4.18 TB/s in the copy-only pattern of
-  // bench/micro/weight_stream_pattern.cu); 32-row tiles run 2 CTAs per SM, so they prefetch 3.
+  // bench/micro/weight_stream_pattern.cu); 32-row tiles run 2 CTAs per SM, so they prefetch 3. With
+  // 16-row tiles, 3 chunks in flight (slack 1 between the warps) was 3% slower on every decode row,
+  // and a ring sized per launch (up to 16 stages for small grids) gained nothing (docs/perf.md).
+  // NOTE: the mbarriers sit after the ring; with them in front (under the GEMM1 staging overlay) the
+  // GEMM1 tests failed with NaN rows, not explained yet (docs/perf.md, ninth session).
   static constexpr int kStages = TileRows == 16 ? 4 : 6;
   static constexpr int kPrefetch = TileRows == 16 ? 2 : 3;
   static constexpr int kActStageBytes = TileRows * kActRowStride;    // 4352 / 8704 B
