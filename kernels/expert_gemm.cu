@@ -57,8 +57,8 @@ cudaError_t make_maps(const sm90gemm::Params& p, sm90gemm::TmaMaps& maps) {
   const cuuint32_t act_box[2] = {64, static_cast<cuuint32_t>(C::kActBoxRows)};  // 128 B x box rows
   const cuuint32_t act_tile_box[2] = {64, static_cast<cuuint32_t>(C::kTileRows)};  // 128 B x tile rows
   for (auto [map, box] : {std::pair{&maps.act, act_box}, std::pair{&maps.act_tile, act_tile_box}})
-    if (cudaError_t e = gemm_detail::encode_map(*map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, p.a, act_dims, act_strides, box,
-                                   CU_TENSOR_MAP_SWIZZLE_128B);
+    if (cudaError_t e = gemm_detail::encode_map(*map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, p.a, act_dims, act_strides,
+                                                box, CU_TENSOR_MAP_SWIZZLE_128B);
         e != cudaSuccess)
       return e;
   return gemm_detail::encode_weight_maps(p, C::kSlots, maps.w, maps.scale);

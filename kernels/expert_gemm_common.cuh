@@ -44,8 +44,9 @@ inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
 }
 
 // dims/strides innermost first; strides (bytes) of dims 1..rank-1.
-inline cudaError_t encode_map(CUtensorMap& map, CUtensorMapDataType type, int rank, const void* base, const cuuint64_t* dims,
-                       const cuuint64_t* strides, const cuuint32_t* box, CUtensorMapSwizzle swizzle) {
+inline cudaError_t encode_map(CUtensorMap& map, CUtensorMapDataType type, int rank, const void* base,
+                              const cuuint64_t* dims, const cuuint64_t* strides, const cuuint32_t* box,
+                              CUtensorMapSwizzle swizzle) {
   const auto encode = tensor_map_encoder();
   if (encode == nullptr) return cudaErrorNotSupported;
   const cuuint32_t elem_strides[5] = {1, 1, 1, 1, 1};
@@ -59,7 +60,8 @@ inline cudaError_t encode_map(CUtensorMap& map, CUtensorMapDataType type, int ra
 // (group, chunk)); the box of one chunk covers `slots` row groups: gated GEMM1 [slots/2 gate groups]
 // [slots/2 up groups] (5-D: word, chunk, group within the half, half, expert), otherwise `slots`
 // consecutive groups (4-D: word, chunk, group, expert). Groups past the expert's are zero-filled.
-inline cudaError_t encode_weight_maps(const sm90gemm::Params& p, int slots, CUtensorMap& w_map, CUtensorMap& scale_map) {
+inline cudaError_t encode_weight_maps(const sm90gemm::Params& p, int slots, CUtensorMap& w_map,
+                                      CUtensorMap& scale_map) {
   const cuuint64_t chunks = static_cast<cuuint64_t>(p.chunks), groups = static_cast<cuuint64_t>(p.groups);
   const cuuint64_t experts = static_cast<cuuint64_t>(p.num_experts);
   const bool gated = p.epilogue == sm90gemm::Epilogue::Gemm1Gated;

@@ -2,10 +2,10 @@
 // token rows per expert (1..32 per tile). At decode the layer is bound by reading the FP4 weights from
 // HBM, so this kernel keeps several K chunks of weights in flight on every SM: per chunk, one thread
 // issues the weights and scales as two bulk tensor copies (TMA) into a shared-memory ring and its warp
-// (two warps for 32-row tiles; the warps take turns by chunk) adds the activation rows (cp.async); every warp decodes its weights with the register
-// decoder of expert_gemm_layout.cuh and feeds mma.sync m16n8k16; the tokens are the MMA N dimension
-// (swap AB), 8 per mma. Warps meet only through the ring's mbarriers, never at a CTA barrier in the
-// main loop.
+// (two warps for 32-row tiles; the warps take turns by chunk) adds the activation rows (cp.async);
+// every warp decodes its weights with the register decoder of expert_gemm_layout.cuh and feeds
+// mma.sync m16n8k16; the tokens are the MMA N dimension (swap AB), 8 per mma. Warps meet only
+// through the ring's mbarriers, never at a CTA barrier in the main loop.
 //
 // CTA = 256 threads (8 warps); 4 CTAs per SM with 16-row tiles (53 KiB of shared memory each), 2 with
 // 32-row tiles (105 KiB), over
@@ -516,7 +516,8 @@ __global__ void __launch_bounds__(kThreads, StreamTile<TileRows>::kCtasPerSm)
   }
   const int c0 = split * sp.chunks_per_split;
   const int c1 = min(p.chunks, c0 + sp.chunks_per_split);
-  if (warp < C::kCopyWarps && !src.row_ok) zero_idle_act_row<C>(smem_base, warp, lane);  // fill group 0 covers every row
+  // Fill group 0 covers every tile row: its lanes zero the idle ones.
+  if (warp < C::kCopyWarps && !src.row_ok) zero_idle_act_row<C>(smem_base, warp, lane);
   __syncthreads();  // the barriers are initialised and the idle rows zeroed before any thread arrives or waits
 
   float acc[kHalves][4];
