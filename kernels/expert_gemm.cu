@@ -10,7 +10,6 @@
 //      CTAs past *num_tiles leave at once.
 //   5. One kernel instantiation per tile shape serves GEMM1 (gated or relu2, bf16 or NVFP4 output) and GEMM2.
 #include <cuda.h>
-#include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
 #include <cuda_runtime.h>
 
 #include <atomic>

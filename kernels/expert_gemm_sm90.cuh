@@ -162,6 +162,8 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
 __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
 }
+// After the initialising thread's mbar_init calls: the barriers are visible to the async proxy (TMA).
+__device__ __forceinline__ void mbar_init_fence() { asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
 __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
   uint32_t done = 0;
   do {
@@ -223,19 +225,14 @@ __device__ __forceinline__ void tma_load_5d(uint32_t dst, const CUtensorMap* map
       "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4)
       : "memory");
 }
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {  // at most N of this thread's groups still pending
-  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-}
 // 16-byte global -> shared copy; src_bytes 0 writes zeros (nothing is read).
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, uint32_t src_bytes) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
 }
 // NOTE: wgmma and bulk copies read shared memory through the async proxy; cp.async and st.shared
-// writes are generic-proxy writes, so the writer fences before it publishes them (the streaming
-// kernel's cp.async producer: after its copies of a stage landed, before the `full` arrival; the
-// GEMM2 epilogue: before the barrier that precedes its bulk stores). TMA writes need no fence. (A
+// writes are generic-proxy writes, so the writer fences before it publishes them (the GEMM2
+// epilogue: before the barrier that precedes its bulk stores). TMA writes need no fence; the streaming
+// kernel's cp.async activation rows are read by ldmatrix, a generic-proxy read, so need none either. (A
 // fence on the consumer side, after the barrier wait, costs a MEMBAR.ALL.CTA per stage in the
 // consumer warps, right in the wgmma stream.)
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
@@ -719,7 +716,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       mbar_init(bar_base + 8 * s, 1);                                 // the producer's expect_tx arrival
       mbar_init(bar_base + 8 * (kStages + s), kConsumerThreads);      // every consumer thread
     }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");  // visible to the async proxy
+    mbar_init_fence();
   }
   __syncthreads();
 

@@ -90,8 +90,8 @@ inline constexpr int kActRowBytes = fp4layout::kChunkK * 2;          // 256: 128
 inline constexpr int kActRowStride = kActRowBytes + 16;              // 272: padded, see the NOTE above
 // One ring stage per K chunk, shared by the 8 warps (StreamTile<>):
 //   [weights: 16 slots x 512 B][scales: 16 slots x 64 B][activations: tile rows x kActRowStride]
-// Slots are the CTA's 16 row groups in the order of one bulk tensor copy (the wgmma kernel's maps,
-// expert_gemm.cu): gated GEMM1 [8 gate groups][8 up groups], otherwise 16 consecutive groups. Warp w
+// Slots are the CTA's 16 row groups in the order of one bulk tensor copy (the maps of both kernels,
+// gemm_detail::encode_weight_maps): gated GEMM1 [8 gate groups][8 up groups], otherwise 16 consecutive groups. Warp w
 // reads slots (w, 8 + w) when gated, (2w, 2w + 1) otherwise; lane l its 16 bytes at l * 16 of each.
 inline constexpr int kSlotWeightBytes = kGroupsPerCta * fp4layout::kChunkBytes;       // 8192
 inline constexpr int kSlotScaleBytes = kGroupsPerCta * fp4layout::kChunkScaleBytes;   // 1024
@@ -128,7 +128,7 @@ struct StreamTile {
   static constexpr int kActStageBytes = TileRows * kActRowStride;    // 4352 / 8704 B
   static constexpr int kActOffset = kSlotWeightBytes + kSlotScaleBytes;  // in a stage
   static constexpr int kStageBytes = kActOffset + kActStageBytes;   // 13568 / 17920 B
-  static constexpr int kTmaBytes = kSlotWeightBytes + kSlotScaleBytes;  // expect_tx per stage
+  static constexpr int kTmaBytes = kActOffset;                      // expect_tx per stage: weights + scales
   static constexpr int kRingBytes = kStages * kStageBytes;
   static constexpr int kBarrierOffset = kRingBytes;
   static constexpr int kSmemBytes = kBarrierOffset + 2 * kStages * 8;  // + full[], empty[] mbarriers
@@ -232,13 +232,13 @@ __device__ __forceinline__ void zero_idle_act_row(uint32_t smem_base, int warp, 
 //      copies and issues them; every lane of the group issues its 8 activation segments (zero-filled
 //      past K; rows past the tile's are zero already) and arrives on full[] once they have landed
 //      (cp.async.mbarrier.arrive.noinc).
-// NOTE (no deadlock): chunk m is filled at its filler's iteration m - kPrefetch, after every warp is
-// done with chunk m - kStages; the slowest warp (at iteration i) waits only for chunk i, whose filler
-// is at an iteration >= i > i - kPrefetch, and every warp is past chunk i - kStages + kPrefetch.
 //   b. wait: full[] of chunk kc's stage (every byte of the stage landed).
 //   c. decode + MMA as described in the file header; then the warp arrives on empty[] of the stage.
 // The loop runs in passes of kStages chunks, unrolled, so that every stage offset, every parity and
 // every source offset (chunk - pass start) is a compile-time constant.
+// NOTE (no deadlock): chunk m is filled at its filler's iteration m - kPrefetch, after every warp is
+// done with chunk m - kStages; the slowest warp (at iteration i) waits only for chunk i, whose filler
+// is at an iteration >= i > i - kPrefetch, and every warp is past chunk i - kStages + kPrefetch.
 template <class C, int NT>
 __device__ __forceinline__ void mainloop(const Params& p, uint32_t smem_base, const StageSource& src, const bool wvalid,
                                          int slot_a, int slot_b, int c0, int c1, float (&acc)[C::kHalves][4]) {
@@ -273,7 +273,7 @@ __device__ __forceinline__ void mainloop(const Params& p, uint32_t smem_base, co
         sm90gemm::tma_load_4d(stage + kSlotWeightBytes, src.s_map, full, 0, kn, src.group0, src.expert);
       }
     }
-    // Rows past the tile's are zero in every stage (zero_idle_rows) and never copied.
+    // Rows past the tile's are zero in every stage (zero_idle_act_row) and never copied.
     if (src.row_ok) {
       const int col = kn * fp4layout::kChunkK + seg0 * 8;  // K % 16 == 0: a segment is wholly in or out
       const uint32_t dst = copy_dst + s * kStageBytes;
@@ -472,7 +472,7 @@ __global__ void __launch_bounds__(kThreads, StreamTile<TileRows>::kCtasPerSm)
       sm90gemm::mbar_init(smem_base + C::kBarrierOffset + i * 8, C::kFullArrivals);        // full[i]
       sm90gemm::mbar_init(smem_base + C::kBarrierOffset + (C::kStages + i) * 8, kWarps);  // empty[i]
     }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");  // visible to the async proxy
+    sm90gemm::mbar_init_fence();
     sm90gemm::tma_prefetch(&maps.w);
     sm90gemm::tma_prefetch(&maps.scale);
   }
