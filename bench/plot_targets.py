@@ -27,13 +27,14 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from targets import classify  # noqa: E402
+from targets import (DECODE_MAX_T, DECODE_RATIO, DECODE_SLACK_US, MID_MIN_T, MID_RATIO, MID_TF,  # noqa: E402
+                     PREFILL_MIN_T, PREFILL_TF, classify)
 
 MODE_STYLE = {"w4a16": ("tab:blue", "o"), "w4a4_scalar": ("tab:orange", "s"), "w4a4_per_expert": ("tab:green", "^")}
 
 
 def in_set(row, which):
-    return row["tokens"] <= 256 if which == "decode" else row["tokens"] >= 512
+    return row["tokens"] <= DECODE_MAX_T if which == "decode" else row["tokens"] >= MID_MIN_T
 
 
 def load(paths, which):
@@ -50,13 +51,13 @@ def decode_figure(r):
 
 
 def decode_target(r):
-    return 1.15 + 8.0 / r["floor_us"]
+    return DECODE_RATIO + DECODE_SLACK_US / r["floor_us"]
 
 
 def prefill_target(r):
-    if r["tokens"] >= 4096:
-        return 600.0
-    return min(450.0, r["flops"] / (1.3 * r["floor_us"]) / 1e6)  # TFLOP/s of a layer at 1.3 x floor
+    if r["tokens"] >= PREFILL_MIN_T:
+        return PREFILL_TF
+    return min(MID_TF, r["flops"] / (MID_RATIO * r["floor_us"]) / 1e6)  # TFLOP/s of a layer at 1.3 x floor
 
 
 def main(argv):

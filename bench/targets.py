@@ -17,19 +17,24 @@ from __future__ import annotations
 import json
 import sys
 
+# The targets' numbers (bench/plot_targets.py draws the same lines).
+DECODE_MAX_T, DECODE_RATIO, DECODE_SLACK_US = 256, 1.15, 8.0  # median <= 1.15 x floor + 8 us
+PREFILL_MIN_T, PREFILL_TF = 4096, 600.0                       # TFLOP/s from T = 4096
+MID_MIN_T, MID_TF, MID_RATIO = 512, 450.0, 1.3                 # T = 512..2048: 450 TF or 1.3 x floor
+
 
 def classify(row):
     T = row["tokens"]
-    if T <= 256:
-        limit = 1.15 * row["floor_us"] + 8.0
+    if T <= DECODE_MAX_T:
+        limit = DECODE_RATIO * row["floor_us"] + DECODE_SLACK_US
         ok = row["median_us"] <= limit
         return "decode", f"ratio {row['median_us'] / row['floor_us']:5.2f}", f"<= {limit:8.1f} us", ok
-    if T >= 4096:
-        return "prefill", f"{row['tflops']:6.1f} TF", ">= 600 TF", row["tflops"] >= 600.0
-    if T >= 512:
-        ok = row["tflops"] >= 450.0 or row["median_us"] <= 1.3 * row["floor_us"]
+    if T >= PREFILL_MIN_T:
+        return "prefill", f"{row['tflops']:6.1f} TF", f">= {PREFILL_TF:.0f} TF", row["tflops"] >= PREFILL_TF
+    if T >= MID_MIN_T:
+        ok = row["tflops"] >= MID_TF or row["median_us"] <= MID_RATIO * row["floor_us"]
         return "mid", f"{row['tflops']:6.1f} TF, {row['median_us'] / row['floor_us']:4.2f}x floor", \
-            ">= 450 TF or <= 1.3x", ok
+            f">= {MID_TF:.0f} TF or <= {MID_RATIO}x", ok
     return None
 
 
