@@ -248,10 +248,15 @@ __device__ __forceinline__ void mainloop(const Params& p, uint32_t smem_base, co
   const uint32_t full_bar = smem_base + C::kBarrierOffset;  // [kStages] mbarriers, 8 B each
   const uint32_t empty_bar = full_bar + kStages * 8;        // [kStages]
   // This lane's weight words and scale bytes in stage 0 (stage s: + s * kStageBytes).
-  const uint32_t wa_addr = smem_base + slot_a * fp4layout::kChunkBytes + lane * 16;
-  const uint32_t wb_addr = smem_base + slot_b * fp4layout::kChunkBytes + lane * 16;
-  const uint32_t sa_addr = smem_base + kSlotWeightBytes + slot_a * fp4layout::kChunkScaleBytes + g * 8;
-  const uint32_t sb_addr = smem_base + kSlotWeightBytes + slot_b * fp4layout::kChunkScaleBytes + g * 8;
+  uint32_t wa_addr = smem_base + slot_a * fp4layout::kChunkBytes + lane * 16;
+  uint32_t wb_addr = smem_base + slot_b * fp4layout::kChunkBytes + lane * 16;
+  uint32_t sa_addr = smem_base + kSlotWeightBytes + slot_a * fp4layout::kChunkScaleBytes + g * 8;
+  uint32_t sb_addr = smem_base + kSlotWeightBytes + slot_b * fp4layout::kChunkScaleBytes + g * 8;
+  // NOTE: the loop invariants pass through an empty asm so that ptxas keeps them in registers: under
+  // the 64-register cap it otherwise rebuilt the lane addresses, the chunk bound (from the kernel
+  // parameters) and wvalid in every chunk, ~25 of the ~196 instructions of a non-filling warp (SASS).
+  int last = c1, valid = wvalid ? 1 : 0;
+  asm volatile("" : "+r"(wa_addr), "+r"(wb_addr), "+r"(sa_addr), "+r"(sb_addr), "+r"(last), "+r"(valid));
   // When this warp fills: lane l copies row 16 (w % kCopyWarps) + l / 2, segments 8 (l % 2) .. + 7.
   const int fill_group = warp / C::kCopyWarps;
   const bool tma_lane = warp % C::kCopyWarps == 0 && lane == 0;
@@ -259,7 +264,7 @@ __device__ __forceinline__ void mainloop(const Params& p, uint32_t smem_base, co
   const uint32_t copy_dst = act_copy_dst<C>(smem_base, warp, lane);
 
   auto refill = [&](int kn, int j, bool first_pass, uint32_t e_parity) {
-    if (kn >= c1 || (kn & (C::kFillGroups - 1)) != fill_group) return;  // warp-uniform
+    if (kn >= last || (kn & (C::kFillGroups - 1)) != fill_group) return;  // warp-uniform
     const int s = j % kStages;
     if (!first_pass) sm90gemm::mbar_wait(empty_bar + s * 8, e_parity);
     const uint32_t full = full_bar + s * 8, stage = smem_base + s * kStageBytes;  // (slots, 512 B) ...
@@ -294,25 +299,26 @@ __device__ __forceinline__ void mainloop(const Params& p, uint32_t smem_base, co
   // ldmatrix row address of this lane: matrices (tokens 0-7, seg 2s), (0-7, 2s+1), (8-15, 2s), (8-15, 2s+1)
   // for lanes 0-7, 8-15, 16-23, 24-31 (x2 uses the first two): row lr, segment 2s + hi.
   const int lr = (lane & 7) + ((lane >> 4) << 3), hi = (lane >> 3) & 1;
-  const uint32_t ldsm_base = smem_base + C::kActOffset + lr * kActRowStride + hi * 16;
+  uint32_t ldsm_base = smem_base + C::kActOffset + lr * kActRowStride + hi * 16;
+  asm volatile("" : "+r"(ldsm_base));  // kept in a register (NOTE above)
 
 #pragma unroll
   for (int j = 0; j < kPrefetch; ++j) refill(c0 + j, j, true, 0);
   uint32_t pass_parity = 0;  // parity of the current pass's full[] phases (and of its empty[] phases)
 #pragma unroll 1
-  for (int base = c0; base < c1; base += kStages) {
+  for (int base = c0; base < last; base += kStages) {
     const bool first = base == c0;
 #pragma unroll
     for (int d = 0; d < kStages; ++d) {
       const int kc = base + d;
-      if (kc >= c1) break;  // CTA-uniform
+      if (kc >= last) break;  // CTA-uniform
       // Chunk kn = kc + kPrefetch: in this pass (j < kStages: its stage was last used in the previous
       // pass, phase parity ^ 1) or in the next one (j >= kStages: used in this pass, phase parity).
       const int j = d + kPrefetch;
       if (j < kStages) refill(kc + kPrefetch, j, first, pass_parity ^ 1u);
       else refill(kc + kPrefetch, j, false, pass_parity);
       sm90gemm::mbar_wait(full_bar + d * 8, pass_parity);
-      if (wvalid) {  // warp-uniform: rows past N
+      if (valid) {  // warp-uniform: rows past N
         const uint32_t off = d * kStageBytes;
         const uint4 wa = sm90gemm::lds128(wa_addr + off);
         const uint4 wb = sm90gemm::lds128(wb_addr + off);
