@@ -5,8 +5,9 @@
 // 256 consecutive entries, 32 at a time. Ids outside [0, E) go to an extra bucket E placed after all
 // experts: expert_offsets[E] counts the valid entries only, and those rows belong to no expert (the
 // GEMMs skip them), but row_to_entry / entry_to_row stay full permutations.
+//   at most 32 entries (decode), one launch: permute_small_kernel (no histograms, see there).
 //   one chunk (T*k <= kChunk), one launch: permute_fused_kernel does every step below in one block.
-//   Either way, the one-block kernel (fused or scan) also clears PermuteArgs::zero_words.
+//   Either way, the one-block kernel (small, fused or scan) also clears PermuteArgs::zero_words.
 //   otherwise, three launches:
 //     1. permute_count_kernel   per chunk: bucket counts -> scratch[chunk][E+1]
 //     2. permute_scan_kernel    one block: per bucket, exclusive scan over chunks (in place); bucket
@@ -207,6 +208,58 @@ __global__ void __launch_bounds__(kThreads) permute_fused_kernel(const PermuteAr
   scatter_runs(a.topk_ids, 0, n, E, sh, a.row_to_entry, a.entry_to_row);
 }
 
+// ---- few entries (T*k <= kSmallEntries): no per-warp histograms --------------------------------------
+// The fused kernel's ~10 block barriers, its 16 x (E+1) histogram and the per-bucket scan over the
+// warps are a fixed cost of a few us at decode (qwen3-30b-a3b T = 1: ~5.4 us, one block, ncu). With at
+// most 32 entries:
+//   1. warp 0 loads the entries' buckets into shared memory (past n: a bucket above every real one);
+//   2. thread e (every bucket e <= E) counts the entries below and in its bucket from that copy
+//      (broadcast reads): expert_offsets[e] = first row of bucket e, tiles = ceil(count / tile_rows);
+//   3. one block scan of the tile counts; thread e writes its expert's tiles;
+//   4. warp 0: entry j's row = first row of its bucket + the lanes before j in the same bucket
+//      (match_any), so the order is the fused kernel's (stable, by entry).
+constexpr int kSmallEntries = 32;
+
+__global__ void __launch_bounds__(kThreads) permute_small_kernel(const PermuteArgs a) {
+  dependent_launch_prologue();
+  __shared__ int32_t s_bucket[kSmallEntries];
+  __shared__ int32_t s_first[kMaxBuckets];  // first row of each bucket
+  __shared__ int32_t s_warp_sums[kWarps];
+  const int E = a.num_experts, tid = threadIdx.x;
+  const int n = a.num_tokens * a.top_k;  // <= kSmallEntries (launch_permute)
+  clear_words(a);
+  if (tid < kSmallEntries) s_bucket[tid] = tid < n ? bucket_of(a.topk_ids[tid], E) : kMaxBuckets;
+  __syncthreads();
+  int32_t tiles = 0;  // of expert tid (E <= kThreads: thread e < E has bucket e; thread 0 also has bucket E = 512)
+  for (int e = tid; e <= E; e += kThreads) {
+    int32_t below = 0, in = 0;
+    for (int j = 0; j < n; ++j) {
+      const int32_t b = s_bucket[j];
+      below += b < e ? 1 : 0;
+      in += b == e ? 1 : 0;
+    }
+    a.expert_offsets[e] = below;  // offsets[E] = the valid entries
+    s_first[e] = below;
+    if (e < E) tiles = (in + a.tile_rows - 1) / a.tile_rows;
+  }
+  int32_t total = 0;
+  const int32_t first_tile = block_exclusive_scan2(tiles, 0, total, s_warp_sums);  // also orders s_first
+  if (tid == 0) *a.num_tiles = total;
+  for (int q = 0; q < tiles; ++q) {
+    a.tile_expert[first_tile + q] = tid;
+    a.tile_row_start[first_tile + q] = s_first[tid] + q * a.tile_rows;
+  }
+  if (tid < kSmallEntries) {  // warp 0, every lane: match_any needs the whole warp
+    const int32_t b = s_bucket[tid];
+    const unsigned same = __match_any_sync(kFull, b);
+    if (tid < n) {
+      const int32_t row = s_first[b] + __popc(same & ((1u << tid) - 1u));
+      a.row_to_entry[row] = tid;
+      a.entry_to_row[tid] = row;
+    }
+  }
+}
+
 // ---- several chunks ------------------------------------------------------------------------------
 __global__ void __launch_bounds__(kThreads) permute_count_kernel(const PermuteArgs a) {
   dependent_launch_prologue();
@@ -293,11 +346,10 @@ cudaError_t launch_permute(const PermuteArgs& a, cudaStream_t stream) {
   if (n > 0 && (a.topk_ids == nullptr || a.row_to_entry == nullptr || a.entry_to_row == nullptr ||
                 a.tile_expert == nullptr || a.tile_row_start == nullptr))
     return cudaErrorInvalidValue;
-  // NOTE: T = 0 still launches the fused kernel: expert_offsets (all zero) and num_tiles (0) must be
+  // NOTE: T = 0 still launches the small kernel: expert_offsets (all zero) and num_tiles (0) must be
   // written for the GEMMs that follow.
-  if (n <= kChunk) {
-    return launch_dependent(permute_fused_kernel, dim3(1), dim3(kThreads), 0, stream, a);
-  }
+  if (n <= kSmallEntries) return launch_dependent(permute_small_kernel, dim3(1), dim3(kThreads), 0, stream, a);
+  if (n <= kChunk) return launch_dependent(permute_fused_kernel, dim3(1), dim3(kThreads), 0, stream, a);
   if (a.scratch == nullptr) return cudaErrorInvalidValue;
   const int64_t chunks = num_chunks(n);
   const dim3 grid(static_cast<unsigned>(chunks)), block(kThreads);
