@@ -864,6 +864,19 @@ TEST(ExpertGemmStream, Gemm2FusedFinalize) {  // top-1: out = bf16(0 + w * y), y
     run_gemm2({"top1", 4, 272, 2880, {1, 0, 9, 20}, act_of(Activation::SwiGLU), ActQuant::W4A16, 53}, k, true);
 }
 
+// More output tiles than fit on an H200 at once (36 tiles x 32 N tiles = 1152 > 4 x 132 CTAs of 16-row
+// tiles), K = 256 (2 chunks: fewer than a ring's stages) and K = 768 (6 chunks), rows of 1..16 per tile:
+// the shapes of a kernel that runs several output tiles per CTA (docs/patches/stream-gemm2-persistent).
+TEST(ExpertGemmStream, Gemm2ManyTilesPerCta) {
+  FP4MOE_REQUIRE_SM90();
+  const std::vector<int64_t> rows = {200, 1, 33, 300};
+  for (const auto& k : {stream_kernel(1), stream_kernel(3)}) {
+    run_gemm2({"many-k256", 4, 4096, 256, rows, act_of(Activation::SwiGLU), ActQuant::W4A16, 54}, k);
+    run_gemm2({"many-k768", 4, 4096, 768, rows, act_of(Activation::SwiGLU), ActQuant::W4A16, 55}, k);
+    run_gemm2({"many-top1", 4, 4096, 768, rows, act_of(Activation::SwiGLU), ActQuant::W4A16, 56}, k, true);
+  }
+}
+
 TEST(ExpertGemmStream, NoRowsLaunchesNothing) {
   FP4MOE_REQUIRE_SM90();
   for (const auto& k : stream_kernels()) {
