@@ -219,6 +219,7 @@ __global__ void __launch_bounds__(kThreads) permute_fused_kernel(const PermuteAr
 //   4. warp 0: entry j's row = first row of its bucket + the lanes before j in the same bucket
 //      (match_any), so the order is the fused kernel's (stable, by entry).
 constexpr int kSmallEntries = 32;
+static_assert(kMaxExperts <= kThreads, "permute_small_kernel: thread e owns expert e's tiles");
 
 __global__ void __launch_bounds__(kThreads) permute_small_kernel(const PermuteArgs a) {
   dependent_launch_prologue();
