@@ -19,12 +19,27 @@
 
 namespace fp4moe::kernels {
 
-// First statement of every kernel launched with launch_dependent().
-__device__ __forceinline__ void dependent_launch_prologue() {
+// The two halves of the prologue, for a kernel that does work before its wait (the streaming GEMM's
+// early start, kernels/launch.hpp GemmEarlyStart): wait until the previous grid has completed and its
+// memory is visible; allow the next kernel to start launching.
+// NOTE (transitivity): every kernel of a forward allows its successor only after its own wait. So when
+// kernel N starts, kernel N-2 has completed: N may read N-2's outputs before its wait, through L2
+// (ld.global.cg: never an L1 line cached before N-2 wrote it), but nothing of N-1's.
+__device__ __forceinline__ void dependent_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void dependent_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
+}
+
+// First statement of every kernel launched with launch_dependent().
+__device__ __forceinline__ void dependent_launch_prologue() {
+  dependent_wait();
+  dependent_trigger();
 }
 
 // FP4MOE_PDL=0 (read once per process) launches every kernel without the attribute: plain stream

@@ -2,7 +2,8 @@
 // (kernels/expert_gemm_stream_sm90.cuh, GemmKernel::Sm90Stream).
 //
 //   1. Check the arguments as launch_gemm1_act / launch_gemm2 do (cudaErrorInvalidValue), plus
-//      tile_rows in {16, 32}, split_k in [1, kMaxStreamSplitK] and, for split_k > 1, the workspace.
+//      tile_rows in {16, 32}, split_k in [1, kMaxStreamSplitK] and, for split_k > 1, the workspace; the
+//      early start (GemmEarlyStart) is one of its modes.
 //   2. The bulk tensor copy maps of the weights and scales (16 row groups per box), encoded on the host.
 //   3. Grid (1-D): max_tiles tiles x split_k x CTAs along N (128 weight rows; gated GEMM1: 64
 //      intermediate columns), 256 threads, StreamTile<>::kSmemBytes of dynamic shared memory (opted in
@@ -45,6 +46,12 @@ bool split_valid(const ExpertGemmArgs& a, int split_k, ss::StreamParams& sp) {
   sp.counters = static_cast<int32_t*>(a.split_workspace);
   sp.partials = reinterpret_cast<float*>(static_cast<uint8_t*>(a.split_workspace) + counter_bytes(outs));
   return true;
+}
+
+// The early start (GemmEarlyStart) into sp; false for a value that is none of the modes.
+bool early_valid(const ExpertGemmArgs& a, ss::StreamParams& sp) {
+  sp.early = a.early_start;
+  return a.early_start == GemmEarlyStart::AfterWait || a.early_start == GemmEarlyStart::TileTable;
 }
 
 int64_t partial_floats(int tile_rows) {
@@ -105,7 +112,7 @@ size_t gemm_stream_counter_bytes(int64_t max_tiles, int64_t N_rows) {
 cudaError_t launch_gemm1_act_stream(const Gemm1Args& args, int tile_rows, int split_k, cudaStream_t stream) {
   ss::StreamParams sp{};
   if (!gemm_stream_tile_supported(tile_rows) || !gemm_detail::gemm1_params(args, sp.base) ||
-      !split_valid(args, split_k, sp))
+      !split_valid(args, split_k, sp) || !early_valid(args, sp))
     return cudaErrorInvalidValue;
   return launch<false>(sp, tile_rows, stream);
 }
@@ -113,7 +120,7 @@ cudaError_t launch_gemm1_act_stream(const Gemm1Args& args, int tile_rows, int sp
 cudaError_t launch_gemm2_stream(const Gemm2Args& args, int tile_rows, int split_k, cudaStream_t stream) {
   ss::StreamParams sp{};
   if (!gemm_stream_tile_supported(tile_rows) || !gemm_detail::gemm2_params(args, sp.base) ||
-      !split_valid(args, split_k, sp))
+      !split_valid(args, split_k, sp) || !early_valid(args, sp))
     return cudaErrorInvalidValue;
   return launch<true>(sp, tile_rows, stream);
 }

@@ -24,10 +24,12 @@
 //   empty[kStages] (8 arrivals: every warp is done with the stage) mbarriers.
 //
 // Steps, per CTA:
-//   1. Initialise the mbarriers (before the dependency wait); the lanes of fill group 0 whose tile row
-//      is past the tile's rows zero that row in every stage; issue the copies of the first kPrefetch chunks (see
-//      mainloop). GEMM1 with a_row_to_entry (the gather fused): tile row r is copied from the
-//      un-permuted activation row a_row_to_entry[r] / a_top_k.
+//   1. Initialise the mbarriers (before the dependency wait); with the early start (GemmEarlyStart::
+//      TileTable) read the tile through L2 and issue the weight copies of the first kPrefetch chunks,
+//      then wait; the lanes of fill group 0 whose tile row is past the tile's rows zero that row in
+//      every stage; issue the (remaining) copies of the first kPrefetch chunks (see mainloop). GEMM1
+//      with a_row_to_entry (the gather fused): tile row r is copied from the un-permuted activation row
+//      a_row_to_entry[r] / a_top_k.
 //   2. Per chunk kc (see mainloop): fill group (kc + kPrefetch) % kFillGroups refills chunk
 //      kc + kPrefetch; every warp waits for
 //      full[] of chunk kc, then per word q (k16 steps 2q, 2q+1): decode_word + decode_scale_pair +
@@ -75,6 +77,7 @@
 
 #include "kernels/expert_gemm_layout.cuh"
 #include "kernels/expert_gemm_sm90.cuh"
+#include "kernels/launch.hpp"
 #include "kernels/nvfp4_device.cuh"
 
 namespace fp4moe::kernels::sm90stream {
@@ -156,6 +159,7 @@ struct StreamParams {
   int chunks_per_split;      // ceil(chunks / split_k)
   int32_t* counters;         // [max_tiles * n_ctas] arrival counters (split_k > 1), zero between launches
   float* partials;           // [max_tiles * n_ctas * split_k][StreamTile::kPartialFloats] (split_k > 1)
+  GemmEarlyStart early;      // what the CTA does before its dependency wait (kernels/launch.hpp)
 };
 
 // The bulk tensor copy maps of one launch (encoded on the host by gemm_detail::encode_weight_maps with
@@ -202,6 +206,20 @@ struct StageSource {
   bool row_ok;                // the row is one of the tile's valid rows
 };
 
+// The two bulk tensor copies of chunk kn's weights and scales into the stage at `stage`, completing on
+// `full` (with its expect_tx arrival). One thread.
+template <class C>
+__device__ __forceinline__ void issue_weight_copies(const StageSource& src, uint32_t stage, uint32_t full, int kn) {
+  sm90gemm::mbar_arrive_expect_tx(full, C::kTmaBytes);  // out-of-bounds parts of a box count as well
+  if (src.gated) {  // (expert, half, group, chunk): slots [gate groups][up groups]
+    sm90gemm::tma_load_5d(stage, src.w_map, full, 0, kn, src.group0, 0, src.expert);
+    sm90gemm::tma_load_5d(stage + kSlotWeightBytes, src.s_map, full, 0, kn, src.group0, 0, src.expert);
+  } else {  // (expert, group, chunk): 16 consecutive groups
+    sm90gemm::tma_load_4d(stage, src.w_map, full, 0, kn, src.group0, src.expert);
+    sm90gemm::tma_load_4d(stage + kSlotWeightBytes, src.s_map, full, 0, kn, src.group0, src.expert);
+  }
+}
+
 // This lane's 8 activation segments in stage 0 when its warp fills a stage (row 16 c + l / 2, c = the
 // warp's place in its fill group; segments 8 (l % 2) ..).
 template <class C>
@@ -223,7 +241,8 @@ __device__ __forceinline__ void zero_idle_act_row(uint32_t smem_base, int warp, 
 
 // Chunks [c0, c1) of this CTA's split. wvalid: the warp's rows lie inside N (warp-uniform; otherwise
 // it computes no weights but still waits and arrives on the barriers). slot_a / slot_b: the warp's
-// slots (rows g / g+8 of its m16 tile).
+// slots (rows g / g+8 of its m16 tile). weights_issued: the weight copies of chunks [c0, c0 + kPrefetch)
+// (those below c1) were issued into stages 0.. before the loop (issue_weight_copies, the early start).
 //
 // Per chunk kc (iteration order):
 //   a. refill (the warps of fill group kn % kFillGroups only): chunk kn = kc + kPrefetch (if < c1) into
@@ -241,7 +260,8 @@ __device__ __forceinline__ void zero_idle_act_row(uint32_t smem_base, int warp, 
 // is at an iteration >= i > i - kPrefetch, and every warp is past chunk i - kStages + kPrefetch.
 template <class C, int NT>
 __device__ __forceinline__ void mainloop(const Params& p, uint32_t smem_base, const StageSource& src, const bool wvalid,
-                                         int slot_a, int slot_b, int c0, int c1, float (&acc)[C::kHalves][4]) {
+                                         int slot_a, int slot_b, int c0, int c1, bool weights_issued,
+                                         float (&acc)[C::kHalves][4]) {
   static_assert(NT <= C::kTileRows, "mma width past the tile");
   constexpr int kStages = C::kStages, kPrefetch = C::kPrefetch, kStageBytes = C::kStageBytes;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4;
@@ -263,21 +283,13 @@ __device__ __forceinline__ void mainloop(const Params& p, uint32_t smem_base, co
   const int seg0 = (lane & 1) * C::kLaneCopies;
   const uint32_t copy_dst = act_copy_dst<C>(smem_base, warp, lane);
 
-  auto refill = [&](int kn, int j, bool first_pass, uint32_t e_parity) {
+  auto refill = [&](int kn, int j, bool first_pass, uint32_t e_parity, bool skip_tma) {
     if (kn >= last || (kn & (C::kFillGroups - 1)) != fill_group) return;  // warp-uniform
     const int s = j % kStages;
     if (!first_pass) sm90gemm::mbar_wait(empty_bar + s * 8, e_parity);
     const uint32_t full = full_bar + s * 8, stage = smem_base + s * kStageBytes;  // (slots, 512 B) ...
-    if (tma_lane) {
-      sm90gemm::mbar_arrive_expect_tx(full, C::kTmaBytes);  // out-of-bounds parts of a box count as well
-      if (src.gated) {  // (expert, half, group, chunk): slots [gate groups][up groups]
-        sm90gemm::tma_load_5d(stage, src.w_map, full, 0, kn, src.group0, 0, src.expert);
-        sm90gemm::tma_load_5d(stage + kSlotWeightBytes, src.s_map, full, 0, kn, src.group0, 0, src.expert);
-      } else {  // (expert, group, chunk): 16 consecutive groups
-        sm90gemm::tma_load_4d(stage, src.w_map, full, 0, kn, src.group0, src.expert);
-        sm90gemm::tma_load_4d(stage + kSlotWeightBytes, src.s_map, full, 0, kn, src.group0, src.expert);
-      }
-    }
+    // skip_tma: the prefetched chunks' weights are in flight already (the kernel's early start).
+    if (tma_lane && !skip_tma) issue_weight_copies<C>(src, stage, full, kn);
     // Rows past the tile's are zero in every stage (zero_idle_act_row) and never copied.
     if (src.row_ok) {
       const int col = kn * fp4layout::kChunkK + seg0 * 8;  // K % 16 == 0: a segment is wholly in or out
@@ -303,7 +315,7 @@ __device__ __forceinline__ void mainloop(const Params& p, uint32_t smem_base, co
   asm volatile("" : "+r"(ldsm_base));  // kept in a register (NOTE above)
 
 #pragma unroll
-  for (int j = 0; j < kPrefetch; ++j) refill(c0 + j, j, true, 0);
+  for (int j = 0; j < kPrefetch; ++j) refill(c0 + j, j, true, 0, weights_issued);
   uint32_t pass_parity = 0;  // parity of the current pass's full[] phases (and of its empty[] phases)
 #pragma unroll 1
   for (int base = c0; base < last; base += kStages) {
@@ -315,8 +327,8 @@ __device__ __forceinline__ void mainloop(const Params& p, uint32_t smem_base, co
       // Chunk kn = kc + kPrefetch: in this pass (j < kStages: its stage was last used in the previous
       // pass, phase parity ^ 1) or in the next one (j >= kStages: used in this pass, phase parity).
       const int j = d + kPrefetch;
-      if (j < kStages) refill(kc + kPrefetch, j, first, pass_parity ^ 1u);
-      else refill(kc + kPrefetch, j, false, pass_parity);
+      if (j < kStages) refill(kc + kPrefetch, j, first, pass_parity ^ 1u, false);
+      else refill(kc + kPrefetch, j, false, pass_parity, false);
       sm90gemm::mbar_wait(full_bar + d * 8, pass_parity);
       if (valid) {  // warp-uniform: rows past N
         const uint32_t off = d * kStageBytes;
@@ -482,28 +494,47 @@ __global__ void __launch_bounds__(kThreads, StreamTile<TileRows>::kCtasPerSm)
     sm90gemm::tma_prefetch(&maps.w);
     sm90gemm::tma_prefetch(&maps.scale);
   }
-  dependent_launch_prologue();
   const Params& p = sp.base;
+  // The early start (GemmEarlyStart, kernel-uniform): AfterWait waits here; TileTable finds the tile,
+  // issues the ring's first weight copies and then waits (below).
+  // NOTE: a tile's weights do not depend on the previous kernels, only which tile (expert) it is; the
+  // ring's first chunks then land while the previous kernel still runs instead of after a launch
+  // boundary plus an HBM round trip.
+  const bool issue_early = sp.early == GemmEarlyStart::TileTable;
+  if (!issue_early) dependent_launch_prologue();
 
   int64_t bid = blockIdx.x;
   const int ntile = static_cast<int>(bid % p.n_ctas);
   bid /= p.n_ctas;
   const int split = static_cast<int>(bid % sp.split_k);
   const int tile = static_cast<int>(bid / sp.split_k);
-  if (tile >= *p.num_tiles) return;  // the whole CTA leaves before any barrier
-  const int expert = p.tile_expert[tile];
+  int expert = -1, valid_rows = 0;
+  int64_t tile_row0 = 0;
+  if (issue_early) {  // written >= 2 launches ago: read through L2
+    if (tile < __ldcg(p.num_tiles)) {
+      expert = __ldcg(p.tile_expert + tile);
+      tile_row0 = __ldcg(p.tile_row_start + tile);
+      valid_rows = static_cast<int>(min(static_cast<int64_t>(kTileRows), __ldcg(p.expert_offsets + expert + 1) - tile_row0));
+    }
+  } else if (tile < *p.num_tiles) {
+    expert = p.tile_expert[tile];
+    tile_row0 = p.tile_row_start[tile];
+    valid_rows = static_cast<int>(min(static_cast<int64_t>(kTileRows), p.expert_offsets[expert + 1] - tile_row0));
+  }
+  if (valid_rows <= 0) {  // the whole CTA leaves before any ring barrier
+    // NOTE: every CTA waits before it ends, so the grid's completion still implies its predecessors'.
+    if (issue_early) dependent_wait();
+    return;
+  }
   const bool gated = !kGemm2 && p.epilogue == Epilogue::Gemm1Gated;
   StageSource src{&maps.w, &maps.scale, gated ? ntile * (kGroupsPerCta / 2) : ntile * kGroupsPerCta, expert, gated,
                   p.a, false};
-  int valid_rows;
   {
-    const int64_t row_start = p.tile_row_start[tile];
-    valid_rows = static_cast<int>(min(static_cast<int64_t>(kTileRows), p.expert_offsets[expert + 1] - row_start));
-    if (valid_rows <= 0) return;
     const int arow = 16 * (warp % C::kCopyWarps) + lane / 2;  // this lane's tile row when its warp fills
     if (arow < valid_rows) {
-      int64_t src_row = row_start + arow;  // GEMM1 with the gather fused: the token of the row's entry
-      if (!kGemm2 && p.a_row_to_entry != nullptr) src_row = p.a_row_to_entry[src_row] / p.a_top_k;
+      int64_t src_row = tile_row0 + arow;  // GEMM1 with the gather fused: the token of the row's entry
+      if (!kGemm2 && p.a_row_to_entry != nullptr)
+        src_row = p.a_row_to_entry[src_row] / p.a_top_k;
       src.a_row = p.a + src_row * static_cast<int64_t>(p.K);
       src.row_ok = true;
     }
@@ -522,18 +553,28 @@ __global__ void __launch_bounds__(kThreads, StreamTile<TileRows>::kCtasPerSm)
   }
   const int c0 = split * sp.chunks_per_split;
   const int c1 = min(p.chunks, c0 + sp.chunks_per_split);
+  // NOTE: the chunks the main loop prefetches (kPrefetch), not the whole first pass (kStages): skipping
+  // copies inside the loop cost a select per refill there, ~1% at T >= 8 (docs/perf.md, eleventh session).
+  if (issue_early && tid == 0) {  // the prefetched chunks' weights (the mbarriers are this thread's)
+#pragma unroll
+    for (int j = 0; j < C::kPrefetch; ++j)
+      if (c0 + j < c1)
+        issue_weight_copies<C>(src, smem_base + j * C::kStageBytes, smem_base + C::kBarrierOffset + j * 8, c0 + j);
+  }
   // Fill group 0 covers every tile row: its lanes zero the idle ones.
   if (warp < C::kCopyWarps && !src.row_ok) zero_idle_act_row<C>(smem_base, warp, lane);
   __syncthreads();  // the barriers are initialised and the idle rows zeroed before any thread arrives or waits
+  if (issue_early) dependent_launch_prologue();  // the activations (and the epilogue's inputs) from here on
 
   float acc[kHalves][4];
 #pragma unroll
   for (int h = 0; h < kHalves; ++h)
 #pragma unroll
     for (int r = 0; r < 4; ++r) acc[h][r] = 0.0f;
-  if (valid_rows <= 8) mainloop<C, 8>(p, smem_base, src, wvalid, slot_a, slot_b, c0, c1, acc);
-  else if (kTileRows == 16 || valid_rows <= 16) mainloop<C, 16>(p, smem_base, src, wvalid, slot_a, slot_b, c0, c1, acc);
-  else mainloop<C, kTileRows>(p, smem_base, src, wvalid, slot_a, slot_b, c0, c1, acc);
+  if (valid_rows <= 8) mainloop<C, 8>(p, smem_base, src, wvalid, slot_a, slot_b, c0, c1, issue_early, acc);
+  else if (kTileRows == 16 || valid_rows <= 16)
+    mainloop<C, 16>(p, smem_base, src, wvalid, slot_a, slot_b, c0, c1, issue_early, acc);
+  else mainloop<C, kTileRows>(p, smem_base, src, wvalid, slot_a, slot_b, c0, c1, issue_early, acc);
   // NOTE: the epilogue reloads the tile's row start (L1/L2 hit) rather than keeping it live across the
   // main loop.
   const int64_t row_start = p.tile_row_start[tile];

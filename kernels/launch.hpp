@@ -131,6 +131,17 @@ PrepackedWeights prepack_expert_weights(const uint8_t* w, const uint8_t* w_scale
                                         int64_t K, std::vector<uint8_t>& w_out,
                                         std::vector<uint8_t>& scale_out);
 
+// What a streaming GEMM launch (GemmKernel::Sm90Stream) may do before its programmatic-dependent-launch
+// wait (kernels/dependent_launch.cuh), i.e. while the previous kernel of the stream still runs. The
+// caller states which inputs were written two or more kernel launches earlier in the stream (or
+// before the first of its launches that uses dependent launch): the runner, which knows its order.
+//   AfterWait  nothing: every input is read after the wait (the default; any launch order).
+//   TileTable  expert_offsets, tile_expert, tile_row_start and num_tiles are that old: each CTA reads
+//              its tile and issues the weight copies of its ring's first chunks before the wait (the
+//              activations after it), e.g. GEMM1 after a gather_quantize launch that follows permute.
+// The wgmma kernel waits first in every mode (it reads nothing early).
+enum class GemmEarlyStart : int { AfterWait = 0, TileTable = 1 };
+
 // Shared by GEMM1 and GEMM2: rows of expert e are [expert_offsets[e], expert_offsets[e+1]).
 struct ExpertGemmArgs {
   const __nv_bfloat16* a = nullptr;       // [rows, K] permuted activations (exact bf16 values; see a_row_to_entry)
@@ -154,6 +165,7 @@ struct ExpertGemmArgs {
   // every launch that uses them, so CUDA-graph replays and later launches need no memset). Launches that
   // use the same workspace must be stream-ordered.
   void* split_workspace = nullptr;
+  GemmEarlyStart early_start = GemmEarlyStart::AfterWait;  // see GemmEarlyStart
 };
 // One-time per-device setup of the GEMM kernels (shared-memory opt-in). The launchers call it too,
 // but a caller that captures CUDA graphs calls it before capturing (MoeRunner::prepare_weights does).

@@ -877,6 +877,166 @@ TEST(ExpertGemmStream, Gemm2ManyTilesPerCta) {
   }
 }
 
+// The early start (kernels/launch.hpp GemmEarlyStart) in a chain the runner launches: permute ->
+// gather_quantize -> GEMM1 -> GEMM2, back to back with dependent launch (so both GEMMs have the tile
+// table two launches back), for every mode pair. Every pair must give the bits of the two launches
+// that wait first, for repeated experts past one tile, ids outside [0, E) and experts without entries.
+// K = 512 and 768: 4 and 6 chunks, past the 4-stage ring's first pass.
+void run_early_start(const std::string& name, int T, int k, int E, const std::vector<int32_t>& ids,
+                     const GemmKernelUnderTest& kern, uint32_t seed) {
+  SCOPED_TRACE(kern.name + " " + name);
+  using kernels::GemmEarlyStart;
+  const int64_t H = 512, I = 768, N1 = 2 * I, n = static_cast<int64_t>(T) * k;
+  ASSERT_EQ(static_cast<int64_t>(ids.size()), n);
+  std::mt19937 rng(seed);
+  const CanonicalWeights w13 = random_weights(rng, E, N1, H), w2 = random_weights(rng, E, H, I);
+  const std::vector<float> alpha1 = random_alpha(rng, E), alpha2 = random_alpha(rng, E);
+  std::vector<float> hvals;
+  std::vector<uint16_t> hbits;
+  random_activations(rng, T, H, hvals, hbits);
+  DeviceWeights dw13, dw2;
+  upload_weights(w13, E, N1, H, dw13);
+  upload_weights(w2, E, H, I, dw2);
+  const int64_t tiles = kernels::max_tiles(n, E, kern.tile_rows);
+  DeviceBuffer<int32_t> d_ids(ids), d_offsets(E + 1), d_r2e(n), d_e2r(n), d_te(tiles), d_trs(tiles), d_nt(1);
+  DeviceBuffer<uint8_t> d_scratch(std::max<size_t>(kernels::permute_scratch_bytes(n, E), 1));
+  DeviceBuffer<uint16_t> d_hidden(hbits), d_a1(static_cast<size_t>(n * H)),
+      d_act(static_cast<size_t>((n + kGuardRows) * I));
+  DeviceBuffer<float> d_alpha1(alpha1), d_alpha2(alpha2), d_y(static_cast<size_t>((n + kGuardRows) * H));
+  const size_t ws1 = kernels::gemm_stream_workspace_bytes(tiles, N1, kern.tile_rows, kern.split_k);
+  const size_t ws2 = kernels::gemm_stream_workspace_bytes(tiles, H, kern.tile_rows, kern.split_k);
+  DeviceBuffer<uint8_t> d_ws1(std::max<size_t>(ws1, 16)), d_ws2(std::max<size_t>(ws2, 16));
+  ASSERT_TRUE(d_ids.ok() && d_act.ok() && d_y.ok() && d_ws1.ok() && d_ws2.ok() && dw13.w.ok() && dw2.w.ok());
+  d_ws1.poison(0);  // zeroed once at allocation
+  d_ws2.poison(0);
+
+  kernels::PermuteArgs pa;
+  pa.topk_ids = d_ids.get();
+  pa.num_tokens = T;
+  pa.top_k = k;
+  pa.num_experts = E;
+  pa.tile_rows = kern.tile_rows;
+  pa.expert_offsets = d_offsets.get();
+  pa.row_to_entry = d_r2e.get();
+  pa.entry_to_row = d_e2r.get();
+  pa.tile_expert = d_te.get();
+  pa.tile_row_start = d_trs.get();
+  pa.num_tiles = d_nt.get();
+  pa.scratch = d_scratch.get();
+  auto common = [&](kernels::ExpertGemmArgs& g, const DeviceWeights& dw, const float* alpha, int64_t K, int64_t N) {
+    g.w = dw.w.get();
+    g.w_scale = dw.s.get();
+    g.weights = dw.info;
+    g.alpha = alpha;
+    g.expert_offsets = d_offsets.get();
+    g.tile_expert = d_te.get();
+    g.tile_row_start = d_trs.get();
+    g.num_tiles = d_nt.get();
+    g.max_tiles = tiles;
+    g.num_experts = E;
+    g.K = K;
+    g.N = N;
+  };
+  kernels::GatherArgs ga;
+  ga.hidden = reinterpret_cast<const __nv_bfloat16*>(d_hidden.get());
+  ga.entry_to_row = d_e2r.get();
+  ga.topk_ids = d_ids.get();
+  ga.num_tokens = T;
+  ga.top_k = k;
+  ga.hidden_size = static_cast<int>(H);
+  ga.num_experts = E;
+  ga.mode = ActQuant::W4A16;
+  ga.a1 = reinterpret_cast<__nv_bfloat16*>(d_a1.get());
+  kernels::Gemm1Args g1;
+  common(g1, dw13, d_alpha1.get(), H, N1);
+  g1.a = ga.a1;
+  g1.rows = n;
+  g1.activation = act_of(Activation::SwiGLU);
+  g1.act = reinterpret_cast<__nv_bfloat16*>(d_act.get());
+  g1.split_workspace = d_ws1.get();
+  kernels::Gemm2Args g2;
+  common(g2, dw2, d_alpha2.get(), I, H);
+  g2.a = g1.act;
+  g2.rows = n;
+  g2.row_to_entry = d_r2e.get();
+  g2.y = d_y.get();
+  g2.split_workspace = d_ws2.get();
+
+  struct Out {
+    std::vector<uint16_t> act;
+    std::vector<float> y;
+  };
+  auto chain = [&](GemmEarlyStart m1, GemmEarlyStart m2, Out& out) {
+    d_offsets.poison(), d_r2e.poison(), d_e2r.poison(), d_te.poison(), d_trs.poison(), d_nt.poison();
+    d_a1.poison(0xFF);
+    d_act.poison(0xFF);
+    d_y.poison(0xFF);
+    g1.early_start = m1;
+    g2.early_start = m2;
+    CUDA_EXPECT(kernels::launch_permute(pa, nullptr));
+    CUDA_EXPECT(kernels::launch_gather_quantize(ga, nullptr));
+    CUDA_EXPECT(kernels::launch_gemm1_act_stream(g1, kern.tile_rows, kern.split_k, nullptr));
+    CUDA_EXPECT(kernels::launch_gemm2_stream(g2, kern.tile_rows, kern.split_k, nullptr));
+    CUDA_EXPECT(cudaDeviceSynchronize());
+    out.act = d_act.download();
+    out.y = d_y.download();
+  };
+  Out base;
+  chain(GemmEarlyStart::AfterWait, GemmEarlyStart::AfterWait, base);
+  ASSERT_FALSE(::testing::Test::HasFatalFailure());
+  // The waiting chain computed every valid entry (finite y; the poison is NaN) and nothing else.
+  int64_t valid = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    const bool in_range = ids[j] >= 0 && ids[j] < E;
+    valid += in_range ? 1 : 0;
+    for (int64_t c = 0; c < H; c += 97)
+      ASSERT_EQ(std::isfinite(base.y[j * H + c]), in_range) << "entry " << j << " column " << c;
+  }
+  ASSERT_GT(valid, 0);
+  const std::pair<GemmEarlyStart, GemmEarlyStart> modes[] = {
+      {GemmEarlyStart::TileTable, GemmEarlyStart::AfterWait},
+      {GemmEarlyStart::TileTable, GemmEarlyStart::TileTable},
+      {GemmEarlyStart::AfterWait, GemmEarlyStart::TileTable}};
+  for (const auto& [m1, m2] : modes) {
+    SCOPED_TRACE("modes " + std::to_string(static_cast<int>(m1)) + "/" + std::to_string(static_cast<int>(m2)));
+    for (int rep = 0; rep < 2; ++rep) {  // twice: the split-K counters are back at zero
+      Out got;
+      chain(m1, m2, got);
+      EXPECT_EQ(0, std::memcmp(got.act.data(), base.act.data(), base.act.size() * sizeof(uint16_t)))
+          << "GEMM1 output differs from the waiting launch";
+      EXPECT_EQ(0, std::memcmp(got.y.data(), base.y.data(), base.y.size() * sizeof(float)))
+          << "GEMM2 output differs from the waiting launch";
+    }
+  }
+}
+
+TEST(ExpertGemmStream, EarlyStartMatchesWaitingLaunch) {
+  FP4MOE_REQUIRE_SM90();
+  std::mt19937 rng(81);
+  auto distinct = [&](int T, int k, int E) {  // k distinct experts per token, as the router gives
+    std::vector<int32_t> ids;
+    std::vector<int32_t> perm(E);
+    for (int t = 0; t < T; ++t) {
+      std::iota(perm.begin(), perm.end(), 0);
+      std::shuffle(perm.begin(), perm.end(), rng);
+      ids.insert(ids.end(), perm.begin(), perm.begin() + k);
+    }
+    return ids;
+  };
+  // 20 entries on expert 3 (two 16-row tiles), expert 0 and 6 without entries, two ids out of range.
+  std::vector<int32_t> skewed(32, 3);
+  for (int j = 20; j < 30; ++j) skewed[j] = (j % 2 == 0) ? 5 : 1 + j % 3;
+  skewed[30] = -1;
+  skewed[31] = 8;
+  const std::vector<int32_t> repeats = {4, 4, 2, 4, 7, 7};  // a token with the same expert twice
+  for (const auto& kern : {stream_kernel(1), stream_kernel(2), stream_kernel(1, 32)}) {
+    run_early_start("T1k8", 1, 8, 64, distinct(1, 8, 64), kern, 82);
+    run_early_start("T4k8", 4, 8, 16, distinct(4, 8, 16), kern, 83);
+    run_early_start("T32k1-skewed", 32, 1, 8, skewed, kern, 84);
+    run_early_start("T3k2-repeats", 3, 2, 8, repeats, kern, 85);
+  }
+}
+
 TEST(ExpertGemmStream, NoRowsLaunchesNothing) {
   FP4MOE_REQUIRE_SM90();
   for (const auto& k : stream_kernels()) {
@@ -918,6 +1078,9 @@ TEST(ExpertGemmStream, RejectsBadArguments) {
   fin.out = reinterpret_cast<__nv_bfloat16*>(s.a.get());
   fin.tactic = {GemmKernel::Sm90Wgmma, 128, 1};  // the wgmma kernel has no fused top-k finalize
   EXPECT_EQ(kernels::launch_gemm2(fin, nullptr), cudaErrorInvalidValue);
+  kernels::Gemm2Args early = g2;  // an early start that is none of the modes
+  early.early_start = static_cast<kernels::GemmEarlyStart>(2);
+  EXPECT_EQ(kernels::launch_gemm2_stream(early, 16, 1, nullptr), cudaErrorInvalidValue);
   EXPECT_EQ(kernels::launch_gemm2_stream(g2, 24, 1, nullptr), cudaErrorInvalidValue);  // no 24-row tiles
   EXPECT_EQ(kernels::launch_gemm2_stream(g2, 64, 1, nullptr), cudaErrorInvalidValue);
   EXPECT_TRUE(kernels::gemm_stream_tile_supported(16) && kernels::gemm_stream_tile_supported(32));
