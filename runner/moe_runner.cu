@@ -444,7 +444,8 @@ Status GpuMoeRunner::run(cudaStream_t stream, const ForwardArgs& a, bool routed,
   // dependency wait follows from this launch order. After a gather_quantize launch the tile table is two
   // launches old, so GEMM1 issues its first weight copies while the gather runs. GEMM2 always has GEMM1
   // between it and permute; it starts early up to kGemm2EarlyEntries entries (T * k): at T <= 4 with
-  // k = 8 that was -1..-3 us per layer, at T = 8 and beyond slower (docs/perf.md, eleventh session).
+  // k = 8 that was -1..-3 us per layer; beyond, the one run that tried it was slower, with another cost
+  // mixed in (docs/perf.md, eleventh session, run 1).
   constexpr int64_t kGemm2EarlyEntries = 32;
   const bool stream_kernel = tactic.kernel == GemmKernel::Sm90Stream;
   if (stream_kernel && !gather_in_gemm1) g1.early_start = kernels::GemmEarlyStart::TileTable;
