@@ -40,11 +40,13 @@ cudaError_t configure_expert_gemm() {
 namespace {
 
 bool wgmma_tactic(const MoeTactic& t) {
-  return t.kernel == GemmKernel::Sm90Wgmma && (t.tile_tokens == 128 || t.tile_tokens == 256) && t.split_k == 1;
+  return t.kernel == GemmKernel::Sm90Wgmma && (t.tile_tokens == 128 || t.tile_tokens == 256) && t.split_k1 == 1 &&
+         t.split_k2 == 1;
 }
 bool stream_tactic(const MoeTactic& t) {
-  return t.kernel == GemmKernel::Sm90Stream && gemm_stream_tile_supported(t.tile_tokens) && t.split_k >= 1 &&
-         t.split_k <= kMaxStreamSplitK;
+  auto split_ok = [](int s) { return s >= 1 && s <= kMaxStreamSplitK; };
+  return t.kernel == GemmKernel::Sm90Stream && gemm_stream_tile_supported(t.tile_tokens) && split_ok(t.split_k1) &&
+         split_ok(t.split_k2);
 }
 
 // The maps of TmaMaps (kernels/expert_gemm_sm90.cuh). Out-of-bounds parts of a box are zero-filled:
@@ -93,7 +95,7 @@ int gemm_tile_rows(const MoeTactic& t) { return t.tile_tokens; }
 
 cudaError_t launch_gemm1_act(const Gemm1Args& args, cudaStream_t stream) {
   if (stream_tactic(args.tactic))
-    return launch_gemm1_act_stream(args, args.tactic.tile_tokens, gemm_split_k(args.tactic, args.K), stream);
+    return launch_gemm1_act_stream(args, args.tactic.tile_tokens, args.tactic.split_k1, stream);
   sm90gemm::Params p;
   // NOTE: the wgmma kernel's bulk tensor copies read whole row boxes of a permuted `a`; a gathered
   // activation (a_row_to_entry) is the streaming kernel's only.
@@ -104,7 +106,7 @@ cudaError_t launch_gemm1_act(const Gemm1Args& args, cudaStream_t stream) {
 
 cudaError_t launch_gemm2(const Gemm2Args& args, cudaStream_t stream) {
   if (stream_tactic(args.tactic))
-    return launch_gemm2_stream(args, args.tactic.tile_tokens, gemm_split_k(args.tactic, args.K), stream);
+    return launch_gemm2_stream(args, args.tactic.tile_tokens, args.tactic.split_k2, stream);
   sm90gemm::Params p;
   // NOTE: the fused top-k finalize (finalize_counters) is the streaming kernel's only.
   if (!wgmma_tactic(args.tactic) || args.finalize_counters || !gemm_detail::gemm2_params(args, p))

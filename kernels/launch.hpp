@@ -159,8 +159,8 @@ struct ExpertGemmArgs {
   int64_t K = 0;                          // reduction size (H for GEMM1, I for GEMM2)
   int64_t N = 0;                          // weight rows (w13_rows for GEMM1, H for GEMM2)
   MoeTactic tactic;                       // which kernel; the tile table is built for its tile_tokens
-  // Streaming kernel with s = gemm_split_k(tactic, K) > 1 only: gemm_stream_workspace_bytes(max_tiles, N,
-  // tactic.tile_tokens, s) bytes,
+  // Streaming kernel with s > 1 only (s = tactic.split_k1 for GEMM1, tactic.split_k2 for GEMM2):
+  // gemm_stream_workspace_bytes(max_tiles, N, tactic.tile_tokens, s) bytes,
   // 16-byte aligned, ZEROED ONCE by the caller when allocated (its arrival counters are reset to zero by
   // every launch that uses them, so CUDA-graph replays and later launches need no memset). Launches that
   // use the same workspace must be stream-ordered.
@@ -187,8 +187,8 @@ struct Gemm1Args : ExpertGemmArgs {
   const int32_t* a_row_to_entry = nullptr;
   int a_top_k = 0;                        // >= 1 with a_row_to_entry
 };
-// Runs the kernel of args.tactic (the streaming kernel for sm90_stream, split gemm_split_k(args.tactic, args.K)
-// ways along K).
+// Runs the kernel of args.tactic (the streaming kernel for sm90_stream, split args.tactic.split_k1 ways
+// along K).
 cudaError_t launch_gemm1_act(const Gemm1Args& args, cudaStream_t stream);
 
 struct Gemm2Args : ExpertGemmArgs {
@@ -209,6 +209,7 @@ struct Gemm2Args : ExpertGemmArgs {
 };
 // int32 arrival counters of GEMM2's fused finalize for T tokens and N output columns.
 inline int64_t gemm2_finalize_counter_count(int64_t num_tokens, int64_t N) { return num_tokens * ((N + 127) / 128); }
+// Runs the kernel of args.tactic (the streaming kernel split args.tactic.split_k2 ways along K).
 cudaError_t launch_gemm2(const Gemm2Args& args, cudaStream_t stream);
 
 // ---- streaming expert GEMMs (GemmKernel::Sm90Stream, kernels/expert_gemm_stream_sm90.cuh) ---------

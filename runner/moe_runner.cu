@@ -126,12 +126,12 @@ class GpuMoeRunner final : public MoeRunner {
   WorkspacePlan plan(int64_t max_tokens) const {
     size_t split1 = 0, split2 = 0;
     auto add = [&](const MoeTactic& t, int64_t T) {  // the split-K workspaces of tactic t at up to T tokens
-      if (t.kernel != GemmKernel::Sm90Stream || t.split_k <= 1) return;
+      if (t.kernel != GemmKernel::Sm90Stream || (t.split_k1 <= 1 && t.split_k2 <= 1)) return;
       const int64_t tiles = kernels::max_tiles(T * problem_.top_k(), problem_.num_experts, t.tile_tokens);
       split1 = std::max(split1, kernels::gemm_stream_workspace_bytes(tiles, problem_.w13_rows(), t.tile_tokens,
-                                                                     gemm_split_k(t, problem_.hidden)));
+                                                                     t.split_k1));
       split2 = std::max(split2, kernels::gemm_stream_workspace_bytes(tiles, problem_.hidden, t.tile_tokens,
-                                                                     gemm_split_k(t, problem_.inter)));
+                                                                     t.split_k2));
     };
     if (forced_tactic_) {
       add(*forced_tactic_, max_tokens);
@@ -379,12 +379,12 @@ Status GpuMoeRunner::run(cudaStream_t stream, const ForwardArgs& a, bool routed,
   // NOTE: the split-K arrival counters must be zero when the GEMMs start, and the workspace may be
   // shared with other work between forwards: the permute launch clears them too (a memset node before
   // the route kernel cost the chain of dependent launches its start).
-  // Each GEMM splits gemm_split_k(tactic, its K) ways (GEMM1 and GEMM2 may differ).
-  if (gemm_split_k(tactic, p.hidden) > 1) {
+  // GEMM1 splits tactic.split_k1 ways, GEMM2 tactic.split_k2 ways.
+  if (tactic.split_k1 > 1) {
     pa.zero_words[1] = region<int32_t>(ws, plan.split1);
     pa.zero_count[1] = static_cast<int64_t>(kernels::gemm_stream_counter_bytes(tiles, p.w13_rows()) / sizeof(int32_t));
   }
-  if (gemm_split_k(tactic, p.inter) > 1) {
+  if (tactic.split_k2 > 1) {
     pa.zero_words[2] = region<int32_t>(ws, plan.split2);
     pa.zero_count[2] = static_cast<int64_t>(kernels::gemm_stream_counter_bytes(tiles, p.hidden) / sizeof(int32_t));
   }

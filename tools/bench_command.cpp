@@ -53,7 +53,9 @@ void add_bench_command(CLI::App& app, BenchCommandOptions& o) {
   b->add_option("--json", o.json, "Write the results as JSON to this file");
   b->add_option("--csv", o.csv, "Write the results as CSV to this file");
   b->add_option("--reps", o.reps, "Timed replays per row (>= 20)")->capture_default_str();
-  b->add_option("--tactic", o.tactic, "Force a tactic, e.g. sm90_wgmma/t256/s1 (default: the runner's choice)");
+  b->add_option("--tactic", o.tactic,
+                "Force a tactic, e.g. sm90_wgmma/t256/s1 or sm90_stream/t16/s1x4 (GEMM1 split 1 way along K, GEMM2 "
+                "4 ways; default: the runner's choice)");
   b->add_flag("--no-refcheck", o.no_refcheck,
               "Skip the check of each row's output against the CPU reference (timing experiments only)");
   o.command = b;
@@ -82,7 +84,8 @@ int run_bench_command(const BenchCommandOptions& o) {
   if (!opt.refcheck) std::fprintf(stderr, "bench: --no-refcheck: the outputs are NOT checked against the CPU reference\n");
   if (!o.tactic.empty()) {
     opt.tactic = parse_tactic(o.tactic);
-    check(opt.tactic.has_value(), "--tactic: expected KERNEL/tTILE/sSPLIT (e.g. sm90_wgmma/t256/s1), got '", o.tactic, "'");
+    check(opt.tactic.has_value(), "--tactic: expected KERNEL/tTILE/sSPLIT or KERNEL/tTILE/sSPLIT1xSPLIT2 (e.g. ",
+          "sm90_wgmma/t256/s1, sm90_stream/t16/s1x4), got '", o.tactic, "'");
   }
   std::vector<BenchRow> rows;
   for (const auto& m : models) {

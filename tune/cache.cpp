@@ -32,7 +32,8 @@ namespace fs = std::filesystem;
 using json = nlohmann::ordered_json;
 
 constexpr const char* kFormatTag = "fp4moe-tune-cache";
-constexpr int kFormatVersion = 1;
+// 2: a tactic has split_k1 / split_k2 (one K split per GEMM) instead of one split_k.
+constexpr int kFormatVersion = 2;
 constexpr size_t kMaxFileBytes = size_t(64) << 20;  // a cache is a few hundred KiB; refuse absurd files
 constexpr int kMaxJsonDepth = 16;                   // the format nests 4 deep; bounds parser recursion
 constexpr size_t kMaxEntryReasons = 3;              // ignored entries named in the one warning line

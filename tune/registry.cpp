@@ -18,7 +18,7 @@ namespace {
 struct FamilyRule {
   GemmKernel kernel;
   std::initializer_list<int> tile_tokens;  // the instantiated tile heights
-  std::initializer_list<int> split_k;      // the instantiated K splits
+  std::initializer_list<int> split_k;      // the K splits each GEMM may take
 };
 
 // One row per kernel family; candidate_tactics enumerates the product and filters by why_invalid.
@@ -55,17 +55,17 @@ std::string why_invalid(const MoeProblem& p, const MoeTactic& t) {
     return detail::concat(name, ": H and I must be multiples of 16 (>= 16), got H=", p.hidden, " I=", p.inter);
   if (!contains(rule->tile_tokens, t.tile_tokens))
     return detail::concat(name, ": tile_tokens must be in ", list(rule->tile_tokens), ", got ", t.tile_tokens);
-  if (!contains(rule->split_k, t.split_k))
-    return detail::concat(name, ": split_k must be in ", list(rule->split_k), ", got ", t.split_k);
-  if (t.kernel == GemmKernel::Sm90Stream && t.split_k > 1) {
-    // The GEMM with the longer K must run the whole split (gemm_split_k: >= 2 K chunks per split); the
-    // other one may split fewer ways. Otherwise the tactic would run as one with a smaller split_k.
-    const int64_t need = 2 * int64_t(t.split_k);
-    if (gemm_split_k(t, std::max(p.hidden, p.inter)) != t.split_k)
-      return detail::concat(name, ": split_k ", t.split_k, " needs >= ", need, " chunks of ", kKChunk,
-                            " along K in at least one GEMM, got ", k_chunks(p.hidden), " (GEMM1, K=H=", p.hidden,
-                            ") and ", k_chunks(p.inter), " (GEMM2, K=I=", p.inter, ")");
-  }
+  const auto split_error = [&](int split, const char* field, const char* gemm, int64_t K) -> std::string {
+    if (!contains(rule->split_k, split))
+      return detail::concat(name, ": ", field, " must be in ", list(rule->split_k), ", got ", split);
+    // NOTE: a split CTA needs >= 2 K chunks to overlap its loads and math.
+    if (split > 1 && k_chunks(K) < 2 * int64_t(split))
+      return detail::concat(name, ": ", field, " ", split, " needs >= ", 2 * split, " chunks of ", kKChunk, " along ",
+                            gemm, "'s K, got ", k_chunks(K), " (K=", K, ")");
+    return "";
+  };
+  if (std::string e = split_error(t.split_k1, "split_k1", "GEMM1", p.hidden); !e.empty()) return e;
+  if (std::string e = split_error(t.split_k2, "split_k2", "GEMM2", p.inter); !e.empty()) return e;
   return "";
 }
 
@@ -73,10 +73,11 @@ std::vector<MoeTactic> candidate_tactics(const MoeProblem& p) {
   std::vector<MoeTactic> out;
   for (const FamilyRule& r : kFamilies)
     for (int tile : r.tile_tokens)
-      for (int split : r.split_k) {
-        const MoeTactic t{r.kernel, tile, split};
-        if (tactic_valid(p, t)) out.push_back(t);
-      }
+      for (int split1 : r.split_k)
+        for (int split2 : r.split_k) {
+          const MoeTactic t{r.kernel, tile, split1, split2};
+          if (tactic_valid(p, t)) out.push_back(t);
+        }
   return out;
 }
 
@@ -106,11 +107,12 @@ MoeTactic heuristic_tactic(const MoeProblem& p, int64_t T) {
     const int64_t fewer_rows = std::min(p.w13_rows(), p.hidden);
     const int64_t ctas = experts_hit * ceil_div(fewer_rows, 128);
     const int64_t chunks = std::min(k_chunks(p.hidden), k_chunks(p.inter));
+    // Both GEMMs take that split (the tuner may split them differently).
     for (int split : {4, 2}) {
-      const MoeTactic t{GemmKernel::Sm90Stream, tile, split};
+      const MoeTactic t{GemmKernel::Sm90Stream, tile, split, split};
       if (ctas * split <= 5 * kNumSms && chunks >= 10 * split && tactic_valid(p, t)) return t;
     }
-    return {GemmKernel::Sm90Stream, tile, 1};
+    return {GemmKernel::Sm90Stream, tile, 1, 1};
   }
   // NOTE: 256-token tiles halve the decode per flop but halve the weight rows per CTA, and an expert
   // with a few rows more than a multiple of 256 pays a nearly empty tile. Measured on the H200
@@ -118,8 +120,8 @@ MoeTactic heuristic_tactic(const MoeProblem& p, int64_t T) {
   // T = 8192 11407 vs 12074 us, gpt-oss-120b T = 8192 3209 vs 3501, llama4-scout T = 4096 1779 vs
   // 1805, qwen3-30b-a3b T = 4096 806 vs 804); at m = 512 the 256-token tile (llama4-scout T = 8192
   // 3116 vs 3503, qwen3-30b-a3b T = 8192 1444 vs 1463).
-  if (routed < 384 * E) return {GemmKernel::Sm90Wgmma, 128, 1};
-  return {GemmKernel::Sm90Wgmma, 256, 1};
+  if (routed < 384 * E) return {GemmKernel::Sm90Wgmma, 128, 1, 1};
+  return {GemmKernel::Sm90Wgmma, 256, 1, 1};
 }
 
 }  // namespace fp4moe

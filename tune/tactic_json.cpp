@@ -1,4 +1,5 @@
-// tune/tactic_json.cpp — the JSON form of a tactic: {"kernel":"sm90_wgmma","tile_tokens":128,"split_k":1}.
+// tune/tactic_json.cpp — the JSON form of a tactic:
+// {"kernel":"sm90_wgmma","tile_tokens":128,"split_k1":1,"split_k2":1}.
 //
 // Parsing is strict (every key present, no unknown key, integers in int range) because a cache entry
 // that silently fell back to a default field would run a tactic nobody measured. Whether the tactic
@@ -33,17 +34,18 @@ json tactic_to_object(const MoeTactic& t) {
   json j = json::object();
   j["kernel"] = std::string(to_string(t.kernel));
   j["tile_tokens"] = t.tile_tokens;
-  j["split_k"] = t.split_k;
+  j["split_k1"] = t.split_k1;
+  j["split_k2"] = t.split_k2;
   return j;
 }
 
 MoeTactic tactic_from_object(const json& object, std::string_view where) {
   check(object.is_object(), where, ": expected an object like {\"kernel\":\"sm90_wgmma\",\"tile_tokens\":128,"
-        "\"split_k\":1}, got ", object.dump());
+        "\"split_k1\":1,\"split_k2\":1}, got ", object.dump());
   for (const auto& item : object.items()) {
     const std::string& key = item.key();
-    check(key == "kernel" || key == "tile_tokens" || key == "split_k", where, ".", key,
-          ": unknown key (expected kernel, tile_tokens, split_k)");
+    check(key == "kernel" || key == "tile_tokens" || key == "split_k1" || key == "split_k2", where, ".", key,
+          ": unknown key (expected kernel, tile_tokens, split_k1, split_k2)");
   }
   MoeTactic t;
   check(object.contains("kernel"), where, ".kernel: missing");
@@ -51,7 +53,8 @@ MoeTactic tactic_from_object(const json& object, std::string_view where) {
   check(kernel.is_string(), where, ".kernel: expected a string, got ", kernel.dump());
   t.kernel = parse_gemm_kernel(kernel.get<std::string>(), std::string(where) + ".kernel");
   t.tile_tokens = int_field(object, "tile_tokens", where);
-  t.split_k = int_field(object, "split_k", where);
+  t.split_k1 = int_field(object, "split_k1", where);
+  t.split_k2 = int_field(object, "split_k2", where);
   return t;
 }
 

@@ -11,7 +11,7 @@
 namespace fp4moe::tune {
 
 nlohmann::ordered_json tactic_to_object(const MoeTactic& tactic);
-// Throws fp4moe::Error naming the field as "<where>.<key>" (e.g. "tactic.split_k").
+// Throws fp4moe::Error naming the field as "<where>.<key>" (e.g. "tactic.split_k1").
 MoeTactic tactic_from_object(const nlohmann::ordered_json& object, std::string_view where);
 
 }  // namespace fp4moe::tune

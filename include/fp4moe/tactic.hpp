@@ -1,6 +1,6 @@
 // fp4moe/tactic.hpp — how the expert GEMMs of one MoE forward are run: a plain, printable struct
 // (DESIGN.md §2: the problem says what is computed, the tactic how). One tactic serves both GEMMs of
-// a forward (they share the permutation's tile table, built for tile_tokens).
+// a forward (they share the permutation's tile table, built for tile_tokens); the K split is per GEMM.
 //
 // Validity depends on the problem only, never on the token count T (fp4moe/tune.hpp, tune/registry.cpp):
 // a tactic chosen for a bucket of T is valid for every T.
@@ -27,21 +27,13 @@ enum class GemmKernel : int {
 struct MoeTactic {
   GemmKernel kernel = GemmKernel::Sm90Wgmma;
   int tile_tokens = 128;  // token rows per GEMM tile (the permutation's tile table is built for it)
-  int split_k = 1;        // CTAs along K per output tile (Sm90Stream only; 1 = none); see gemm_split_k
+  // CTAs along K per output tile (Sm90Stream only; 1 = none), per GEMM: the two GEMMs reduce over
+  // different K (GEMM1: H, GEMM2: I) and have different grids, so each has its own split.
+  int split_k1 = 1;  // GEMM1 (K = H)
+  int split_k2 = 1;  // GEMM2 (K = I)
 
   friend bool operator==(const MoeTactic&, const MoeTactic&) = default;
 };
-
-// The K split that one GEMM of the forward runs with: split_k, halved while the GEMM's K has fewer than
-// 2 chunks of 128 per split (a split CTA needs two chunks to overlap its loads and math). The two
-// GEMMs reduce over different K (GEMM1: H, GEMM2: I), so one tactic may split them differently, e.g.
-// qwen3-30b-a3b with split_k 4: GEMM1 (K = 2048, 16 chunks) splits 4 ways, GEMM2 (K = 768, 6 chunks) 2.
-inline int gemm_split_k(const MoeTactic& t, int64_t K) {
-  const int64_t chunks = (K + 127) / 128;
-  int split = t.kernel == GemmKernel::Sm90Stream ? t.split_k : 1;
-  while (split > 1 && chunks < 2 * static_cast<int64_t>(split)) split /= 2;
-  return split;
-}
 
 inline std::string_view to_string(GemmKernel k) {
   switch (k) {
@@ -58,12 +50,16 @@ inline GemmKernel parse_gemm_kernel(std::string_view name, std::string_view what
   throw Error(detail::concat(what, ": unknown kernel '", name, "', expected one of: sm90_wgmma, sm90_stream"));
 }
 
-// e.g. "sm90_wgmma/t128/s1"
+// e.g. "sm90_wgmma/t128/s1"; "/s<a>" when both GEMMs split a ways, else "/s<a>x<b>" (GEMM1 a, GEMM2 b),
+// e.g. "sm90_stream/t16/s1x4".
 inline std::string describe(const MoeTactic& t) {
-  return std::string(to_string(t.kernel)) + "/t" + std::to_string(t.tile_tokens) + "/s" + std::to_string(t.split_k);
+  std::string s = std::string(to_string(t.kernel)) + "/t" + std::to_string(t.tile_tokens) + "/s" +
+                  std::to_string(t.split_k1);
+  if (t.split_k2 != t.split_k1) s += "x" + std::to_string(t.split_k2);
+  return s;
 }
 
-// The inverse of describe(); nullopt when `s` is not of that form.
+// The inverse of describe() (which also reads "/s<a>x<a>"); nullopt when `s` is not of that form.
 inline std::optional<MoeTactic> parse_tactic(std::string_view s) {
   const size_t a = s.find("/t"), b = s.find("/s", a == std::string_view::npos ? 0 : a + 2);
   if (a == std::string_view::npos || b == std::string_view::npos) return std::nullopt;
@@ -76,7 +72,12 @@ inline std::optional<MoeTactic> parse_tactic(std::string_view s) {
     const auto r = std::from_chars(v.data(), v.data() + v.size(), out);
     return r.ec == std::errc() && r.ptr == v.data() + v.size() && out >= 1;
   };
-  if (!number(s.substr(a + 2, b - a - 2), t.tile_tokens) || !number(s.substr(b + 2), t.split_k)) return std::nullopt;
+  const std::string_view splits = s.substr(b + 2);
+  const size_t x = splits.find('x');
+  if (!number(s.substr(a + 2, b - a - 2), t.tile_tokens) || !number(splits.substr(0, x), t.split_k1))
+    return std::nullopt;
+  t.split_k2 = t.split_k1;
+  if (x != std::string_view::npos && !number(splits.substr(x + 1), t.split_k2)) return std::nullopt;
   return t;
 }
 

@@ -44,7 +44,7 @@ void log_warning(std::string_view text);
 
 // ---- tactic codec --------------------------------------------------------------------------------------
 
-// {"kernel":"sm90_wgmma","tile_tokens":128,"split_k":1} (compact, keys in this order).
+// {"kernel":"sm90_wgmma","tile_tokens":128,"split_k1":1,"split_k2":1} (compact, keys in this order).
 std::string tactic_to_json(const MoeTactic& tactic);
 // Parses the object above; throws fp4moe::Error naming the field ("tactic.kernel: ..."). Unknown keys
 // are errors too (a typo must not silently give a default).
@@ -56,19 +56,19 @@ MoeTactic tactic_from_json(std::string_view text);
 // runner accepts (H, I multiples of 16).
 std::vector<MoeTactic> candidate_tactics(const MoeProblem& problem);
 // Why the tactic cannot run this problem, or "" when it can. Rules per kernel family:
-//   sm90_wgmma:  tile_tokens in {128, 256}, split_k 1; every problem with H, I multiples of 16.
-//   sm90_stream: tile_tokens in {16, 32}, split_k in {1, 2, 4}; split_k > 1 only when the GEMM with the
-//                longer K has at least 2 * split_k chunks of 128 along K (GEMM1: K = H, GEMM2: K = I);
-//                each GEMM splits gemm_split_k(tactic, K) ways (fp4moe/tactic.hpp), so every split
-//                CTA gets at least two chunks to pipeline.
+//   sm90_wgmma:  tile_tokens in {128, 256}, split_k1 = split_k2 = 1; every problem with H, I multiples
+//                of 16.
+//   sm90_stream: tile_tokens in {16, 32}; split_k1 (GEMM1, K = H) and split_k2 (GEMM2, K = I) each in
+//                {1, 2, 4}, and a split s > 1 only where its GEMM has at least 2 * s chunks of 128 along
+//                K, so every split CTA gets at least two chunks to pipeline.
 std::string why_invalid(const MoeProblem& problem, const MoeTactic& tactic);
 inline bool tactic_valid(const MoeProblem& problem, const MoeTactic& tactic) {
   return why_invalid(problem, tactic).empty();
 }
 // The tactic without profiling, for the bucket of T (it depends on T only through the bucket's
 // representative R). With m = R * k / E (expected tokens per expert):
-//   m < 16:    sm90_stream; tile_tokens 32 when m > 12, else 16; split_k the largest of 4, 2 that is
-//              valid, keeps experts_hit * ceil(min(w13 rows, H) / 128) * split_k <= 5 * 132 CTAs
+//   m < 16:    sm90_stream; tile_tokens 32 when m > 12, else 16; split_k1 = split_k2 = the largest s of
+//              4, 2 that keeps experts_hit * ceil(min(w13 rows, H) / 128) * s <= 5 * 132 CTAs
 //              (experts_hit = min(E, R * k)) and leaves >= 10 chunks of 128 per split in both
 //              GEMMs, else 1;
 //   m < 384:   sm90_wgmma t128;
@@ -110,7 +110,7 @@ std::string describe_bucket(int b);
 // JSON, written by `fp4moe tune`, read by the runner and `fp4moe tune --show`:
 //   {
 //     "format": "fp4moe-tune-cache",
-//     "format_version": 1,
+//     "format_version": 2,
 //     "entries": [
 //       {
 //         "fp4moe_version": "0.1.0", "gpu_name": "NVIDIA H200", "sm_count": 132, "cuda_runtime": 12080,
@@ -119,12 +119,15 @@ std::string describe_bucket(int b);
 //                     "apply_router_weight_on_input": false, "activation": "swiglu",
 //                     "act_quant": "w4a4_scalar"},
 //         "bucket": 57, "bucket_lo": 513, "bucket_hi": 640, "representative": 640,
-//         "tactic": {"kernel": "sm90_wgmma", "tile_tokens": 128, "split_k": 1}, "tactic_us": 812.5,
-//         "heuristic": {"kernel": "sm90_wgmma", "tile_tokens": 128, "split_k": 1}, "heuristic_us": 812.5
+//         "tactic": {"kernel": "sm90_wgmma", "tile_tokens": 128, "split_k1": 1, "split_k2": 1},
+//         "tactic_us": 812.5,
+//         "heuristic": {"kernel": "sm90_wgmma", "tile_tokens": 128, "split_k1": 1, "split_k2": 1},
+//         "heuristic_us": 812.5
 //       }
 //     ]
 //   }
-// "bucket_hi" is null for the open bucket. An entry whose bucket range differs from this build's
+// "bucket_hi" is null for the open bucket. A file of another format_version is ignored with a warning
+// (version 1 had one "split_k" for both GEMMs). An entry whose bucket range differs from this build's
 // ladder, whose problem is invalid, whose tactic is invalid for its problem, or whose times are not
 // finite and positive is ignored with a warning.
 

@@ -196,12 +196,12 @@ GemmKernelUnderTest wgmma_kernel(int tile_rows = kernels::gemm_tile_rows()) {
   return {"sm90_wgmma/t" + std::to_string(tile_rows), tile_rows, 1,
           [](const kernels::Gemm1Args& a, int tile, int, cudaStream_t s) {
             kernels::Gemm1Args b = a;
-            b.tactic = {GemmKernel::Sm90Wgmma, tile, 1};
+            b.tactic = {GemmKernel::Sm90Wgmma, tile, 1, 1};
             return kernels::launch_gemm1_act(b, s);
           },
           [](const kernels::Gemm2Args& a, int tile, int, cudaStream_t s) {
             kernels::Gemm2Args b = a;
-            b.tactic = {GemmKernel::Sm90Wgmma, tile, 1};
+            b.tactic = {GemmKernel::Sm90Wgmma, tile, 1, 1};
             return kernels::launch_gemm2(b, s);
           }};
 }
@@ -775,11 +775,11 @@ void expect_common_rejections(const BadArgsSetup& s, const MoeTactic& tactic) {
 TEST(ExpertGemmKernel, RejectsBadArguments) {
   FP4MOE_REQUIRE_SM90();
   const BadArgsSetup s(71);
-  expect_common_rejections(s, {GemmKernel::Sm90Wgmma, 128, 1});
-  expect_common_rejections(s, {GemmKernel::Sm90Wgmma, 256, 1});
+  expect_common_rejections(s, {GemmKernel::Sm90Wgmma, 128, 1, 1});
+  expect_common_rejections(s, {GemmKernel::Sm90Wgmma, 256, 1, 1});
   // Tactics no kernel has.
-  for (const MoeTactic& t : {MoeTactic{GemmKernel::Sm90Wgmma, 64, 1}, MoeTactic{GemmKernel::Sm90Wgmma, 128, 2},
-                             MoeTactic{GemmKernel::Sm90Stream, 64, 1}}) {
+  for (const MoeTactic& t : {MoeTactic{GemmKernel::Sm90Wgmma, 64, 1, 1}, MoeTactic{GemmKernel::Sm90Wgmma, 128, 2, 2},
+                             MoeTactic{GemmKernel::Sm90Stream, 64, 1, 1}}) {
     EXPECT_EQ(kernels::launch_gemm2(s.gemm2(t), nullptr), cudaErrorInvalidValue) << describe(t);
     EXPECT_EQ(kernels::launch_gemm1_act(s.gemm1(t), nullptr), cudaErrorInvalidValue) << describe(t);
   }
@@ -1048,9 +1048,9 @@ TEST(ExpertGemmStream, NoRowsLaunchesNothing) {
 TEST(ExpertGemmStream, RejectsBadArguments) {
   FP4MOE_REQUIRE_SM90();
   const BadArgsSetup s(72);
-  expect_common_rejections(s, {GemmKernel::Sm90Stream, 16, 1});
-  expect_common_rejections(s, {GemmKernel::Sm90Stream, 32, 1});
-  const kernels::Gemm2Args g2 = s.gemm2({GemmKernel::Sm90Stream, 16, 1});
+  expect_common_rejections(s, {GemmKernel::Sm90Stream, 16, 1, 1});
+  expect_common_rejections(s, {GemmKernel::Sm90Stream, 32, 1, 1});
+  const kernels::Gemm2Args g2 = s.gemm2({GemmKernel::Sm90Stream, 16, 1, 1});
   EXPECT_EQ(kernels::launch_gemm2_stream(g2, 16, 0, nullptr), cudaErrorInvalidValue);  // split_k < 1
   EXPECT_EQ(kernels::launch_gemm2_stream(g2, 16, kernels::kMaxStreamSplitK + 1, nullptr), cudaErrorInvalidValue);
   EXPECT_EQ(kernels::launch_gemm2_stream(g2, 16, 2, nullptr), cudaErrorInvalidValue);  // split_k 2, no workspace
@@ -1058,13 +1058,13 @@ TEST(ExpertGemmStream, RejectsBadArguments) {
   bad.split_workspace = reinterpret_cast<char*>(s.f.get()) + 4;  // misaligned workspace
   EXPECT_EQ(kernels::launch_gemm2_stream(bad, 16, 2, nullptr), cudaErrorInvalidValue);
   // The launcher itself (launch_gemm1_act would first lower the split to what this short K allows).
-  const kernels::Gemm1Args g1 = s.gemm1({GemmKernel::Sm90Stream, 32, 3});
+  const kernels::Gemm1Args g1 = s.gemm1({GemmKernel::Sm90Stream, 32, 3, 3});
   EXPECT_EQ(kernels::launch_gemm1_act_stream(g1, 32, 3, nullptr), cudaErrorInvalidValue);  // split_k 3, no workspace
-  kernels::Gemm1Args gathered = s.gemm1({GemmKernel::Sm90Stream, 16, 1});
+  kernels::Gemm1Args gathered = s.gemm1({GemmKernel::Sm90Stream, 16, 1, 1});
   gathered.a_row_to_entry = s.dummy.get();
   gathered.a_top_k = 0;  // a gather needs top_k >= 1
   EXPECT_EQ(kernels::launch_gemm1_act(gathered, nullptr), cudaErrorInvalidValue);
-  gathered.tactic = {GemmKernel::Sm90Wgmma, 128, 1};
+  gathered.tactic = {GemmKernel::Sm90Wgmma, 128, 1, 1};
   gathered.a_top_k = 1;  // the wgmma kernel has no fused gather
   EXPECT_EQ(kernels::launch_gemm1_act(gathered, nullptr), cudaErrorInvalidValue);
   kernels::Gemm2Args fin = g2;
@@ -1076,7 +1076,7 @@ TEST(ExpertGemmStream, RejectsBadArguments) {
   fin.out = nullptr;  // it writes out
   EXPECT_EQ(kernels::launch_gemm2(fin, nullptr), cudaErrorInvalidValue);
   fin.out = reinterpret_cast<__nv_bfloat16*>(s.a.get());
-  fin.tactic = {GemmKernel::Sm90Wgmma, 128, 1};  // the wgmma kernel has no fused top-k finalize
+  fin.tactic = {GemmKernel::Sm90Wgmma, 128, 1, 1};  // the wgmma kernel has no fused top-k finalize
   EXPECT_EQ(kernels::launch_gemm2(fin, nullptr), cudaErrorInvalidValue);
   kernels::Gemm2Args early = g2;  // an early start that is none of the modes
   early.early_start = static_cast<kernels::GemmEarlyStart>(2);

@@ -235,7 +235,7 @@ TEST_P(LayerTactic, MatchesReference) {
     run(random_case(p, T, 25 + T), "decode shapes T=" + std::to_string(T));
   }
   {
-    MoeProblem p;  // GEMM2's K (640: 5 chunks) allows half of GEMM1's split 4 (gemm_split_k)
+    MoeProblem p;  // GEMM2's K (640: 5 chunks) allows at most split 2 there, GEMM1's (1024: 8 chunks) 4
     p.num_experts = 16;
     p.hidden = 1024;
     p.inter = 640;
@@ -250,10 +250,14 @@ TEST_P(LayerTactic, MatchesReference) {
 
 std::vector<TacticCase> tactic_cases() {
   std::vector<TacticCase> v;
-  for (int tile : {128, 256}) v.push_back({{GemmKernel::Sm90Wgmma, tile, 1}, "wgmma_t" + std::to_string(tile)});
-  for (int tile : {16, 32})
-    for (int split : {1, 2, 4})
-      v.push_back({{GemmKernel::Sm90Stream, tile, split}, "stream_t" + std::to_string(tile) + "_s" + std::to_string(split)});
+  for (int tile : {128, 256}) v.push_back({{GemmKernel::Sm90Wgmma, tile, 1, 1}, "wgmma_t" + std::to_string(tile)});
+  // Both GEMMs split alike, and a few pairs that split them differently (GEMM1 x GEMM2).
+  const int pairs[][3] = {{16, 1, 1}, {16, 2, 2}, {16, 4, 4}, {16, 4, 2}, {16, 1, 4},
+                          {32, 1, 1}, {32, 2, 2}, {32, 4, 4}, {32, 2, 1}};
+  for (const auto& [tile, s1, s2] : pairs) {
+    const MoeTactic t{GemmKernel::Sm90Stream, tile, s1, s2};
+    v.push_back({t, "stream_t" + std::to_string(tile) + "_s" + std::to_string(s1) + "x" + std::to_string(s2)});
+  }
   return v;
 }
 

@@ -39,8 +39,8 @@ std::string read_file(const std::string& path) {
 
 DeviceKey h200() { return {std::string(fp4moe_version()), "NVIDIA H200", 132, 12080}; }
 
-const MoeTactic kWgmma256{GemmKernel::Sm90Wgmma, 256, 1};
-const MoeTactic kStream4{GemmKernel::Sm90Stream, 16, 4};
+const MoeTactic kWgmma256{GemmKernel::Sm90Wgmma, 256, 1, 1};
+const MoeTactic kStream4{GemmKernel::Sm90Stream, 16, 4, 4};
 
 // A cache with two problems on the H200 and one entry of another GPU.
 TuneCache sample_cache() {
@@ -52,7 +52,7 @@ TuneCache sample_cache() {
   c.set(h200(), qwen, bucket_of(1 << 21), kWgmma256, 5000, 5100);
   DeviceKey h100 = h200();
   h100.gpu_name = "NVIDIA H100 80GB HBM3";
-  c.set(h100, ds, 1, MoeTactic{GemmKernel::Sm90Stream, 16, 2}, 25, 30);
+  c.set(h100, ds, 1, MoeTactic{GemmKernel::Sm90Stream, 16, 2, 2}, 25, 30);
   return c;
 }
 
@@ -91,7 +91,7 @@ TEST(TuneCache, RoundTripsThroughAFile) {
   EXPECT_EQ(read_file(again), read_file(path));
   const std::string text = read_file(path);
   EXPECT_THAT(text, HasSubstr(R"("format": "fp4moe-tune-cache")"));
-  EXPECT_THAT(text, HasSubstr(R"("format_version": 1)"));
+  EXPECT_THAT(text, HasSubstr(R"("format_version": 2)"));
   EXPECT_THAT(text, HasSubstr(R"("bucket_hi": null)"));  // the open bucket
 }
 
@@ -137,7 +137,7 @@ TEST(TuneCache, ForeignDeviceAndStaleVersionAreNotLookedUp) {
   for (const DeviceKey& d : {other_sms, other_cuda, older}) EXPECT_EQ(c.lookup(d, ds, 60), std::nullopt);
   DeviceKey h100 = h200();
   h100.gpu_name = "NVIDIA H100 80GB HBM3";
-  EXPECT_EQ(c.lookup(h100, ds, 1), (MoeTactic{GemmKernel::Sm90Stream, 16, 2}));
+  EXPECT_EQ(c.lookup(h100, ds, 1), (MoeTactic{GemmKernel::Sm90Stream, 16, 2, 2}));
 }
 
 // The text of a file with one valid entry, where `edit` replaces a substring of it.
@@ -167,11 +167,13 @@ TEST(TuneCache, CorruptOrForeignFilesGiveAnEmptyCacheAndOneWarning) {
       {"binary", std::string("\x00\xff\x13garbage", 10), "not valid JSON"},
       {"array", "[]", "not a tune cache"},
       {"wrong_tag", cache_text_with("fp4moe-tune-cache", "other-tool-cache"), "not a tune cache"},
-      {"newer_version", cache_text_with(R"("format_version": 1)", R"("format_version": 2)"),
-       "format_version 2, this build reads 1"},
-      {"version_string", cache_text_with(R"("format_version": 1)", R"("format_version": "1")"),
+      {"older_version", cache_text_with(R"("format_version": 2)", R"("format_version": 1)"),
+       "format_version 1, this build reads 2"},
+      {"newer_version", cache_text_with(R"("format_version": 2)", R"("format_version": 3)"),
+       "format_version 3, this build reads 2"},
+      {"version_string", cache_text_with(R"("format_version": 2)", R"("format_version": "2")"),
        "\"format_version\" missing or not an integer"},
-      {"entries_object", R"({"format":"fp4moe-tune-cache","format_version":1,"entries":{}})",
+      {"entries_object", R"({"format":"fp4moe-tune-cache","format_version":2,"entries":{}})",
        "\"entries\" missing or not an array"},
       {"deep", std::string(100000, '['), "nested too deep"},
   };
@@ -225,7 +227,7 @@ TEST(TuneCache, BadEntriesAreIgnoredOneByOneWithOneWarning) {
     const std::string text = cache_text_with(bad.from, bad.to);
     // Append a second, valid entry after the broken one: it must survive.
     TuneCache extra;
-    extra.set(h200(), preset("tiny"), 3, MoeTactic{GemmKernel::Sm90Wgmma, 128, 1}, 5, 6);
+    extra.set(h200(), preset("tiny"), 3, MoeTactic{GemmKernel::Sm90Wgmma, 128, 1, 1}, 5, 6);
     const std::string extra_path = temp_path("extra.json");
     extra.save(extra_path);
     const std::string extra_text = read_file(extra_path);
@@ -245,7 +247,7 @@ TEST(TuneCache, BadEntriesAreIgnoredOneByOneWithOneWarning) {
     ASSERT_EQ(r.warnings.size(), 1u);
     EXPECT_THAT(r.warnings[0], HasSubstr("ignored 1 of 2 entries"));
     EXPECT_THAT(r.warnings[0], HasSubstr(bad.reason));
-    EXPECT_EQ(c.lookup(h200(), preset("tiny"), 3), (MoeTactic{GemmKernel::Sm90Wgmma, 128, 1}));
+    EXPECT_EQ(c.lookup(h200(), preset("tiny"), 3), (MoeTactic{GemmKernel::Sm90Wgmma, 128, 1, 1}));
   }
 }
 

@@ -2,6 +2,7 @@
 // registry (validity rules per family, independent of T; the heuristic valid for every bucket).
 #include <gtest/gtest.h>
 
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -21,94 +22,125 @@ MoeProblem problem(int64_t E, int64_t H, int64_t I, int k) {
   return p;
 }
 
-const MoeTactic kWgmma128{GemmKernel::Sm90Wgmma, 128, 1};
-const MoeTactic kWgmma256{GemmKernel::Sm90Wgmma, 256, 1};
-const MoeTactic kStream1{GemmKernel::Sm90Stream, 16, 1};
-const MoeTactic kStream2{GemmKernel::Sm90Stream, 16, 2};
-const MoeTactic kStream4{GemmKernel::Sm90Stream, 16, 4};
-const MoeTactic kStream32x1{GemmKernel::Sm90Stream, 32, 1};
-const MoeTactic kStream32x2{GemmKernel::Sm90Stream, 32, 2};
-const MoeTactic kStream32x4{GemmKernel::Sm90Stream, 32, 4};
+const MoeTactic kWgmma128{GemmKernel::Sm90Wgmma, 128, 1, 1};
+const MoeTactic kWgmma256{GemmKernel::Sm90Wgmma, 256, 1, 1};
+const MoeTactic kStream1{GemmKernel::Sm90Stream, 16, 1, 1};
+const MoeTactic kStream2{GemmKernel::Sm90Stream, 16, 2, 2};
+const MoeTactic kStream4{GemmKernel::Sm90Stream, 16, 4, 4};
+const MoeTactic kStream32x1{GemmKernel::Sm90Stream, 32, 1, 1};
+const MoeTactic kStream32x2{GemmKernel::Sm90Stream, 32, 2, 2};
+const MoeTactic kStream32x4{GemmKernel::Sm90Stream, 32, 4, 4};
+
+const MoeTactic kStream1x4{GemmKernel::Sm90Stream, 16, 1, 4};
+const MoeTactic kStream4x2{GemmKernel::Sm90Stream, 16, 4, 2};
 
 TEST(TacticJson, RoundTripsEveryCandidate) {
-  EXPECT_EQ(tactic_to_json(kWgmma128), R"({"kernel":"sm90_wgmma","tile_tokens":128,"split_k":1})");
+  EXPECT_EQ(tactic_to_json(kWgmma128), R"({"kernel":"sm90_wgmma","tile_tokens":128,"split_k1":1,"split_k2":1})");
+  EXPECT_EQ(tactic_to_json(kStream1x4), R"({"kernel":"sm90_stream","tile_tokens":16,"split_k1":1,"split_k2":4})");
   for (const MoeTactic& t : candidate_tactics(problem(8, 4096, 4096, 2))) {
     EXPECT_EQ(tactic_from_json(tactic_to_json(t)), t) << describe(t);
   }
   // Key order and whitespace do not matter.
-  EXPECT_EQ(tactic_from_json(R"( { "split_k": 2, "kernel": "sm90_stream", "tile_tokens": 16 } )"), kStream2);
+  EXPECT_EQ(tactic_from_json(R"( { "split_k2": 2, "split_k1": 4, "kernel": "sm90_stream", "tile_tokens": 16 } )"),
+            kStream4x2);
 }
 
 TEST(TacticJson, ParseErrorsNameTheField) {
   expect_error([] { tactic_from_json(R"({"kernel":"sm90_wgmma","tile_tokens":128)"); }, "tactic: invalid JSON");
   expect_error([] { tactic_from_json("[1,2]"); }, "tactic: expected an object");
-  expect_error([] { tactic_from_json(R"({"tile_tokens":128,"split_k":1})"); }, "tactic.kernel: missing");
-  expect_error([] { tactic_from_json(R"({"kernel":7,"tile_tokens":128,"split_k":1})"); },
+  expect_error([] { tactic_from_json(R"({"tile_tokens":128,"split_k1":1,"split_k2":1})"); }, "tactic.kernel: missing");
+  expect_error([] { tactic_from_json(R"({"kernel":7,"tile_tokens":128,"split_k1":1,"split_k2":1})"); },
                "tactic.kernel: expected a string, got 7");
-  expect_error([] { tactic_from_json(R"({"kernel":"sm80_mma","tile_tokens":128,"split_k":1})"); },
+  expect_error([] { tactic_from_json(R"({"kernel":"sm80_mma","tile_tokens":128,"split_k1":1,"split_k2":1})"); },
                "tactic.kernel: unknown kernel 'sm80_mma', expected one of: sm90_wgmma, sm90_stream");
-  expect_error([] { tactic_from_json(R"({"kernel":"sm90_wgmma","tile_tokens":"128","split_k":1})"); },
+  expect_error([] { tactic_from_json(R"({"kernel":"sm90_wgmma","tile_tokens":"128","split_k1":1,"split_k2":1})"); },
                "tactic.tile_tokens: expected an integer, got \"128\"");
-  expect_error([] { tactic_from_json(R"({"kernel":"sm90_wgmma","tile_tokens":128.5,"split_k":1})"); },
+  expect_error([] { tactic_from_json(R"({"kernel":"sm90_wgmma","tile_tokens":128.5,"split_k1":1,"split_k2":1})"); },
                "tactic.tile_tokens: expected an integer");
-  expect_error([] { tactic_from_json(R"({"kernel":"sm90_wgmma","tile_tokens":128})"); }, "tactic.split_k: missing");
-  expect_error([] { tactic_from_json(R"({"kernel":"sm90_wgmma","tile_tokens":128,"split_k":4294967297})"); },
-               "tactic.split_k: out of the int range");
-  expect_error([] { tactic_from_json(R"({"kernel":"sm90_wgmma","tile_tokens":128,"split_k":1,"stages":4})"); },
-               "tactic.stages: unknown key");
+  expect_error([] { tactic_from_json(R"({"kernel":"sm90_wgmma","tile_tokens":128,"split_k1":1})"); },
+               "tactic.split_k2: missing");
+  expect_error([] { tactic_from_json(R"({"kernel":"sm90_wgmma","tile_tokens":128,"split_k2":1})"); },
+               "tactic.split_k1: missing");
+  expect_error([] { tactic_from_json(R"({"kernel":"sm90_wgmma","tile_tokens":128,"split_k1":4294967297,"split_k2":1})"); },
+               "tactic.split_k1: out of the int range");
+  // Version 1's single split for both GEMMs is an unknown key, not silently one of the two.
+  expect_error([] { tactic_from_json(R"({"kernel":"sm90_wgmma","tile_tokens":128,"split_k":1})"); },
+               "tactic.split_k: unknown key");
+  expect_error(
+      [] { tactic_from_json(R"({"kernel":"sm90_wgmma","tile_tokens":128,"split_k1":1,"split_k2":1,"stages":4})"); },
+      "tactic.stages: unknown key");
   expect_error([] { parse_gemm_kernel("x", "--kernel"); }, "--kernel: unknown kernel 'x'");
 }
 
+TEST(TacticName, DescribeAndParseRoundTrip) {
+  EXPECT_EQ(describe(kWgmma256), "sm90_wgmma/t256/s1");
+  EXPECT_EQ(describe(kStream4), "sm90_stream/t16/s4");  // both GEMMs split 4 ways
+  EXPECT_EQ(describe(kStream1x4), "sm90_stream/t16/s1x4");
+  EXPECT_EQ(describe(kStream4x2), "sm90_stream/t16/s4x2");
+  for (const MoeTactic& t : candidate_tactics(problem(16, 7168, 2048, 8))) {
+    EXPECT_EQ(parse_tactic(describe(t)), std::optional<MoeTactic>(t)) << describe(t);
+  }
+  EXPECT_EQ(parse_tactic("sm90_stream/t16/s2x2"), std::optional<MoeTactic>(kStream2));
+  EXPECT_EQ(parse_tactic("sm90_stream/t32/s4"), std::optional<MoeTactic>(kStream32x4));
+  for (const char* bad : {"sm90_stream/t16/s1x", "sm90_stream/t16/sx2", "sm90_stream/t16/s0x1", "sm90_stream/t16/s1x0",
+                          "sm90_stream/t16/s1x2x4", "sm90_stream/t16/s", "sm90_stream/t16", "sm80/t16/s1",
+                          "sm90_stream/t0/s1"}) {
+    EXPECT_EQ(parse_tactic(bad), std::nullopt) << bad;
+  }
+}
+
+// The stream tactics of one tile for the given split lists (GEMM1 outer, GEMM2 inner: the registry's order).
+std::vector<MoeTactic> stream_tactics(int tile, std::vector<int> splits1, std::vector<int> splits2) {
+  std::vector<MoeTactic> out;
+  for (int s1 : splits1)
+    for (int s2 : splits2) out.push_back(MoeTactic{GemmKernel::Sm90Stream, tile, s1, s2});
+  return out;
+}
+
+std::vector<MoeTactic> wgmma_then(std::vector<MoeTactic> a, const std::vector<MoeTactic>& b) {
+  a.insert(a.begin(), {kWgmma128, kWgmma256});
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
+}
+
 TEST(Registry, CandidatesFollowTheFamilyRules) {
-  // Large K: every split allowed (H=7168: 56 chunks, I=2048: 16 chunks).
+  // Large K: every split allowed in both GEMMs (H=7168: 56 chunks, I=2048: 16 chunks).
   EXPECT_EQ(candidate_tactics(problem(256, 7168, 2048, 8)),
-            (std::vector<MoeTactic>{kWgmma128, kWgmma256, kStream1, kStream2, kStream4, kStream32x1, kStream32x2,
-                                    kStream32x4}));
-  // The GEMM with the longer K decides: H = 1024 is 8 chunks, so splits 2 and 4 are valid although
-  // I = 384 (3 chunks) gives GEMM2 no split (gemm_split_k).
+            wgmma_then(stream_tactics(16, {1, 2, 4}, {1, 2, 4}), stream_tactics(32, {1, 2, 4}, {1, 2, 4})));
+  // Each GEMM splits by its own K: H = 1024 is 8 chunks (splits 1, 2, 4), I = 384 is 3 (no split).
   EXPECT_EQ(candidate_tactics(problem(16, 1024, 384, 2)),
-            (std::vector<MoeTactic>{kWgmma128, kWgmma256, kStream1, kStream2, kStream4, kStream32x1, kStream32x2,
-                                    kStream32x4}));
-  // H = 512 and I = 384 (4 and 3 chunks): split 2 yes, split 4 (needs 8) no.
-  EXPECT_EQ(candidate_tactics(problem(16, 512, 384, 2)),
-            (std::vector<MoeTactic>{kWgmma128, kWgmma256, kStream1, kStream2, kStream32x1, kStream32x2}));
+            wgmma_then(stream_tactics(16, {1, 2, 4}, {1}), stream_tactics(32, {1, 2, 4}, {1})));
+  // qwen3-30b-a3b: H = 2048 (16 chunks), I = 768 (6 chunks: split 4 needs 8).
+  EXPECT_EQ(candidate_tactics(problem(128, 2048, 768, 8)),
+            wgmma_then(stream_tactics(16, {1, 2, 4}, {1, 2}), stream_tactics(32, {1, 2, 4}, {1, 2})));
   // H = I = 384: no split at all.
   EXPECT_EQ(candidate_tactics(problem(16, 384, 384, 2)),
             (std::vector<MoeTactic>{kWgmma128, kWgmma256, kStream1, kStream32x1}));
-  // Ceil of chunks: K = 1040 is 9 chunks, 896 is 7: split 4 needs 8 in one of the GEMMs.
-  EXPECT_TRUE(tactic_valid(problem(16, 1040, 896, 2), kStream4));
-  EXPECT_TRUE(tactic_valid(problem(16, 896, 1040, 2), kStream4));
-  EXPECT_FALSE(tactic_valid(problem(16, 896, 896, 2), kStream4));
-}
-
-TEST(Registry, EachGemmSplitsWhileItsKChunksAllow) {
-  // qwen3-30b-a3b, split_k 4: GEMM1 K = 2048 (16 chunks) splits 4 ways, GEMM2 K = 768 (6 chunks) 2 ways.
-  EXPECT_EQ(gemm_split_k(kStream4, 2048), 4);
-  EXPECT_EQ(gemm_split_k(kStream4, 768), 2);
-  EXPECT_EQ(gemm_split_k(kStream4, 1024), 4);  // 8 chunks: 2 per split
-  EXPECT_EQ(gemm_split_k(kStream4, 1023), 4);  // ceil: still 8 chunks
-  EXPECT_EQ(gemm_split_k(kStream4, 896), 2);   // 7 chunks
-  EXPECT_EQ(gemm_split_k(kStream2, 512), 2);   // 4 chunks
-  EXPECT_EQ(gemm_split_k(kStream2, 384), 1);   // 3 chunks
-  EXPECT_EQ(gemm_split_k(kStream32x4, 256), 1);
-  EXPECT_EQ(gemm_split_k(kStream1, 1 << 20), 1);
-  EXPECT_EQ(gemm_split_k(kWgmma128, 1 << 20), 1);
+  // Ceil of chunks: K = 1040 is 9 chunks, 896 is 7: split 4 needs 8.
+  EXPECT_TRUE(tactic_valid(problem(16, 1040, 1040, 2), kStream4));
+  EXPECT_FALSE(tactic_valid(problem(16, 1040, 896, 2), kStream4));
+  EXPECT_TRUE(tactic_valid(problem(16, 1040, 896, 2), kStream4x2));
+  EXPECT_FALSE(tactic_valid(problem(16, 896, 1040, 2), kStream4));
+  EXPECT_TRUE(tactic_valid(problem(16, 896, 1040, 2), (MoeTactic{GemmKernel::Sm90Stream, 16, 2, 4})));
 }
 
 TEST(Registry, WhyInvalidNamesTheRule) {
   const MoeProblem p = problem(16, 1024, 384, 2);
   EXPECT_EQ(why_invalid(p, kWgmma128), "");
-  EXPECT_EQ(why_invalid(p, MoeTactic{GemmKernel::Sm90Wgmma, 64, 1}),
+  EXPECT_EQ(why_invalid(p, MoeTactic{GemmKernel::Sm90Wgmma, 64, 1, 1}),
             "sm90_wgmma: tile_tokens must be in {128, 256}, got 64");
-  EXPECT_EQ(why_invalid(p, MoeTactic{GemmKernel::Sm90Wgmma, 128, 2}), "sm90_wgmma: split_k must be in {1}, got 2");
-  EXPECT_EQ(why_invalid(p, MoeTactic{GemmKernel::Sm90Stream, 16, 3}), "sm90_stream: split_k must be in {1, 2, 4}, got 3");
-  EXPECT_EQ(why_invalid(p, MoeTactic{GemmKernel::Sm90Stream, 64, 1}), "sm90_stream: tile_tokens must be in {16, 32}, got 64");
-  EXPECT_EQ(why_invalid(p, kStream2), "");  // GEMM1: 8 chunks
-  EXPECT_EQ(why_invalid(problem(16, 384, 256, 2), kStream2),
-            "sm90_stream: split_k 2 needs >= 4 chunks of 128 along K in at least one GEMM, got 3 (GEMM1, K=H=384) "
-            "and 2 (GEMM2, K=I=256)");
+  EXPECT_EQ(why_invalid(p, MoeTactic{GemmKernel::Sm90Wgmma, 128, 2, 1}), "sm90_wgmma: split_k1 must be in {1}, got 2");
+  EXPECT_EQ(why_invalid(p, MoeTactic{GemmKernel::Sm90Wgmma, 128, 1, 2}), "sm90_wgmma: split_k2 must be in {1}, got 2");
+  EXPECT_EQ(why_invalid(p, MoeTactic{GemmKernel::Sm90Stream, 16, 3, 1}),
+            "sm90_stream: split_k1 must be in {1, 2, 4}, got 3");
+  EXPECT_EQ(why_invalid(p, MoeTactic{GemmKernel::Sm90Stream, 64, 1, 1}),
+            "sm90_stream: tile_tokens must be in {16, 32}, got 64");
+  EXPECT_EQ(why_invalid(p, MoeTactic{GemmKernel::Sm90Stream, 16, 2, 1}), "");  // GEMM1: 8 chunks
+  EXPECT_EQ(why_invalid(p, kStream2), "sm90_stream: split_k2 2 needs >= 4 chunks of 128 along GEMM2's K, got 3 (K=384)");
+  EXPECT_EQ(why_invalid(problem(16, 384, 1024, 2), kStream2),
+            "sm90_stream: split_k1 2 needs >= 4 chunks of 128 along GEMM1's K, got 3 (K=384)");
   EXPECT_NE(why_invalid(problem(16, 1000, 384, 2), kWgmma128).find("multiples of 16"), std::string::npos);
-  EXPECT_NE(why_invalid(p, MoeTactic{static_cast<GemmKernel>(9), 128, 1}).find("unknown kernel id 9"),
+  EXPECT_NE(why_invalid(p, MoeTactic{static_cast<GemmKernel>(9), 128, 1, 1}).find("unknown kernel id 9"),
             std::string::npos);
 }
 
@@ -162,7 +194,7 @@ TEST(Registry, HeuristicFollowsTokensPerExpert) {
   EXPECT_EQ(heuristic_tactic(mid, 193), kStream32x1);  // bucket [193, 224]
   EXPECT_EQ(heuristic_tactic(mid, 224), kStream32x1);  // m = 14, still streaming
   EXPECT_EQ(heuristic_tactic(mid, 225), kWgmma128);    // bucket [225, 256]: m = 16
-  // Split K not allowed by the shape: stays split 1.
+  // Split K not allowed by the shape (GEMM2: 3 chunks): stays split 1 in both GEMMs.
   EXPECT_EQ(heuristic_tactic(problem(16, 1024, 384, 2), 1), kStream1);
   expect_error([&] { heuristic_tactic(ds, -1); }, "token count T must be >= 0");
 }

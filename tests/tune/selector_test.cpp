@@ -19,7 +19,7 @@ using ::testing::HasSubstr;
 using Source = TacticSelector::Choice::Source;
 
 DeviceKey h200() { return {std::string(fp4moe_version()), "NVIDIA H200", 132, 12080}; }
-const MoeTactic kWgmma256{GemmKernel::Sm90Wgmma, 256, 1};
+const MoeTactic kWgmma256{GemmKernel::Sm90Wgmma, 256, 1, 1};
 
 TEST(TacticSelector, WithoutACacheEveryBucketIsTheHeuristic) {
   const MoeProblem p = preset("qwen3-235b-a22b", ActQuant::W4A4Scalar);

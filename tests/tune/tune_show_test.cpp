@@ -34,9 +34,9 @@ TEST(TuneShow, PrintsTheCacheAsATable) {
   old.fp4moe_version = "0.0.1";
   const MoeProblem ds = preset("deepseek-r1", ActQuant::W4A4Scalar);
   TuneCache c;
-  c.set(h200, ds, 60, MoeTactic{GemmKernel::Sm90Wgmma, 256, 1}, 800, 1000);
-  c.set(h200, ds, 1, MoeTactic{GemmKernel::Sm90Stream, 16, 4}, 20, 30);
-  c.set(old, ds, 1, MoeTactic{GemmKernel::Sm90Stream, 16, 1}, 21, 30);
+  c.set(h200, ds, 60, MoeTactic{GemmKernel::Sm90Wgmma, 256, 1, 1}, 800, 1000);
+  c.set(h200, ds, 1, MoeTactic{GemmKernel::Sm90Stream, 16, 4, 4}, 20, 30);
+  c.set(old, ds, 1, MoeTactic{GemmKernel::Sm90Stream, 16, 1, 1}, 21, 30);
   c.save(path);
 
   const CliRun r = cli("tune --show --cache " + path);
@@ -79,7 +79,7 @@ TEST(TuneShow, MissingFileExitsTwoNamingThePath) {
 
 TEST(TuneShow, CorruptFileExitsTwoWithOneWarning) {
   const std::string path = temp_path("corrupt.json");
-  std::ofstream(path) << "{\"format\": \"fp4moe-tune-cache\", \"format_version\": 1, \"entries\": [";
+  std::ofstream(path) << "{\"format\": \"fp4moe-tune-cache\", \"format_version\": 2, \"entries\": [";
   const CliRun r = cli("tune --show --cache " + path);
   EXPECT_EQ(r.status, 2) << r.output;
   EXPECT_THAT(r.output, HasSubstr("fp4moe: warning: tune cache '" + path + "' ignored: not valid JSON"));
