@@ -6,6 +6,7 @@
 //   route_topk            logits [T,E] (f32|bf16), bias [E]     -> topk_ids [T,k] i32, topk_weights [T,k] f32
 //   permute_build         topk_ids [T,k]                        -> expert_offsets [E+1], row_to_entry [T*k],
 //                                                                  entry_to_row [T*k], GEMM tile table
+//                         (at decode both steps may run as one launch: launch_route_permute)
 //   gather_quantize       hidden [T,H] bf16, entry_to_row       -> a1 [T*k,H] bf16 (GEMM1 A operand values:
 //                                                                  x for w4a16, q*sf for w4a4)
 //   gemm1_act             a1, w13 fp4 + e4m3, alpha1 [E]        -> act [T*k,I] bf16 (bf16(act) for w4a16,
@@ -79,6 +80,15 @@ inline int64_t max_tiles(int64_t num_entries, int64_t num_experts, int64_t tile_
 }
 size_t permute_scratch_bytes(int64_t num_entries, int64_t num_experts);
 cudaError_t launch_permute(const PermuteArgs& args, cudaStream_t stream);
+
+// ---- routing and permutation in one launch (decode) -------------------------------------------------
+// launch_route then launch_permute on the routed ids, as one launch of one block: the same outputs,
+// bit for bit, and one kernel boundary fewer in the forward's chain of dependent launches. Only where
+// route_permute_fits: T * k <= 32 entries (the permutation's one-warp path), and T = 1 for DeepSeekV3
+// (whose routing takes a block per token). permute.topk_ids, num_tokens, top_k and num_experts must be
+// the route's; otherwise, or where it does not fit, cudaErrorInvalidValue.
+bool route_permute_fits(const RoutingParams& params, int64_t num_tokens);
+cudaError_t launch_route_permute(const RouteArgs& route, const PermuteArgs& permute, cudaStream_t stream);
 
 // ---- activation quantization ----------------------------------------------------------------------
 enum class ScaleLayout { Linear, Swizzled128x4 };

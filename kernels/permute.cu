@@ -5,7 +5,8 @@
 // 256 consecutive entries, 32 at a time. Ids outside [0, E) go to an extra bucket E placed after all
 // experts: expert_offsets[E] counts the valid entries only, and those rows belong to no expert (the
 // GEMMs skip them), but row_to_entry / entry_to_row stay full permutations.
-//   at most 32 entries (decode), one launch: permute_small_kernel (no histograms, see there).
+//   at most 32 entries (decode), one launch: permute_small_kernel (no histograms, see
+//   kernels/permute_block.cuh); the route launch may run the same block instead (launch_route_permute).
 //   one chunk (T*k <= kChunk), one launch: permute_fused_kernel does every step below in one block.
 //   Either way, the one-block kernel (small, fused or scan) also clears PermuteArgs::zero_words.
 //   otherwise, three launches:
@@ -23,17 +24,21 @@
 
 #include "kernels/dependent_launch.cuh"
 #include "kernels/launch.hpp"
+#include "kernels/permute_block.cuh"
 
 namespace fp4moe::kernels {
 namespace {
 
-constexpr int kWarps = 16;
-constexpr int kThreads = kWarps * 32;
+using permute_block::block_exclusive_scan2;
+using permute_block::bucket_of;
+using permute_block::clear_words;
+using permute_block::kFull;
+using permute_block::kMaxBuckets;
+using permute_block::kMaxExperts;
+using permute_block::kThreads;
+using permute_block::kWarps;
 constexpr int kStepsPerWarp = 8;
 constexpr int kChunk = kWarps * kStepsPerWarp * 32;  // 4096 entries per block
-constexpr int kMaxExperts = 512;
-constexpr int kMaxBuckets = kMaxExperts + 1;          // + the bucket of invalid ids
-constexpr unsigned kFull = 0xFFFFFFFFu;
 
 struct PermuteShared {
   int32_t hist[kWarps][kMaxBuckets];  // per-warp bucket counts, then running row bases
@@ -41,34 +46,6 @@ struct PermuteShared {
   int32_t tile_off[kMaxExperts + 1];  // first tile of each expert
   int32_t warp_sums[kWarps];
 };
-
-__device__ __forceinline__ int bucket_of(int32_t id, int num_experts) {
-  return (id >= 0 && id < num_experts) ? id : num_experts;
-}
-
-// Exclusive scan over the block of two values per thread (a0 then a1, thread order). Returns the
-// prefix of a0 (a1's is that + a0) and the block total. Contains __syncthreads.
-__device__ int32_t block_exclusive_scan2(int32_t a0, int32_t a1, int32_t& total, int32_t* warp_sums) {
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int32_t local = a0 + a1;
-  int32_t incl = local;
-#pragma unroll
-  for (int off = 1; off < 32; off <<= 1) {
-    const int32_t v = __shfl_up_sync(kFull, incl, off);
-    if (lane >= off) incl += v;
-  }
-  __syncthreads();  // warp_sums may still be read by a previous scan
-  if (lane == 31) warp_sums[warp] = incl;
-  __syncthreads();
-  int32_t warp_prefix = 0;
-  total = 0;
-  for (int w = 0; w < kWarps; ++w) {
-    const int32_t s = warp_sums[w];
-    if (w < warp) warp_prefix += s;
-    total += s;
-  }
-  return warp_prefix + incl - local;
-}
 
 // Phase A: hist[w][b] = number of entries of warp w's run in bucket b. hist must be zeroed.
 __device__ void count_runs(const int32_t* ids, int64_t chunk_begin, int64_t chunk_end, int num_experts,
@@ -167,13 +144,6 @@ __device__ void write_offsets_and_tiles(const int32_t* offsets, int num_experts,
   }
 }
 
-// PermuteArgs::zero_words, by the one block of the fused or the scan kernel.
-__device__ __forceinline__ void clear_words(const PermuteArgs& a) {
-#pragma unroll
-  for (int r = 0; r < PermuteArgs::kZeroRanges; ++r)
-    for (int64_t i = threadIdx.x; i < a.zero_count[r]; i += kThreads) a.zero_words[r][i] = 0;
-}
-
 // ---- one chunk: everything in one block ------------------------------------------------------------
 __global__ void __launch_bounds__(kThreads) permute_fused_kernel(const PermuteArgs a) {
   dependent_launch_prologue();
@@ -208,57 +178,13 @@ __global__ void __launch_bounds__(kThreads) permute_fused_kernel(const PermuteAr
   scatter_runs(a.topk_ids, 0, n, E, sh, a.row_to_entry, a.entry_to_row);
 }
 
-// ---- few entries (T*k <= kSmallEntries): no per-warp histograms --------------------------------------
-// The fused kernel's ~10 block barriers, its 16 x (E+1) histogram and the per-bucket scan over the
-// warps are a fixed cost of a few us at decode (qwen3-30b-a3b T = 1: ~5.4 us, one block, ncu). With at
-// most 32 entries:
-//   1. warp 0 loads the entries' buckets into shared memory (past n: a bucket above every real one);
-//   2. thread e (every bucket e <= E) counts the entries below and in its bucket from that copy
-//      (broadcast reads): expert_offsets[e] = first row of bucket e, tiles = ceil(count / tile_rows);
-//   3. one block scan of the tile counts; thread e writes its expert's tiles;
-//   4. warp 0: entry j's row = first row of its bucket + the lanes before j in the same bucket
-//      (match_any), so the order is the fused kernel's (stable, by entry).
-constexpr int kSmallEntries = 32;
-static_assert(kMaxExperts <= kThreads, "permute_small_kernel: thread e owns expert e's tiles");
+// ---- few entries (T*k <= kSmallEntries): permute_block::permute_small_block -------------------------
+constexpr int kSmallEntries = permute_block::kSmallEntries;
 
 __global__ void __launch_bounds__(kThreads) permute_small_kernel(const PermuteArgs a) {
   dependent_launch_prologue();
-  __shared__ int32_t s_bucket[kSmallEntries];
-  __shared__ int32_t s_first[kMaxBuckets];  // first row of each bucket
-  __shared__ int32_t s_warp_sums[kWarps];
-  const int E = a.num_experts, tid = threadIdx.x;
-  const int n = a.num_tokens * a.top_k;  // <= kSmallEntries (launch_permute)
-  clear_words(a);
-  if (tid < kSmallEntries) s_bucket[tid] = tid < n ? bucket_of(a.topk_ids[tid], E) : kMaxBuckets;
-  __syncthreads();
-  int32_t tiles = 0;  // of expert tid (E <= kThreads: thread e < E has bucket e; thread 0 also has bucket E = 512)
-  for (int e = tid; e <= E; e += kThreads) {
-    int32_t below = 0, in = 0;
-    for (int j = 0; j < n; ++j) {
-      const int32_t b = s_bucket[j];
-      below += b < e ? 1 : 0;
-      in += b == e ? 1 : 0;
-    }
-    a.expert_offsets[e] = below;  // offsets[E] = the valid entries
-    s_first[e] = below;
-    if (e < E) tiles = (in + a.tile_rows - 1) / a.tile_rows;
-  }
-  int32_t total = 0;
-  const int32_t first_tile = block_exclusive_scan2(tiles, 0, total, s_warp_sums);  // also orders s_first
-  if (tid == 0) *a.num_tiles = total;
-  for (int q = 0; q < tiles; ++q) {
-    a.tile_expert[first_tile + q] = tid;
-    a.tile_row_start[first_tile + q] = s_first[tid] + q * a.tile_rows;
-  }
-  if (tid < kSmallEntries) {  // warp 0, every lane: match_any needs the whole warp
-    const int32_t b = s_bucket[tid];
-    const unsigned same = __match_any_sync(kFull, b);
-    if (tid < n) {
-      const int32_t row = s_first[b] + __popc(same & ((1u << tid) - 1u));
-      a.row_to_entry[row] = tid;
-      a.entry_to_row[tid] = row;
-    }
-  }
+  __shared__ permute_block::SmallShared sh;
+  permute_block::permute_small_block(a, sh);
 }
 
 // ---- several chunks ------------------------------------------------------------------------------
@@ -337,16 +263,8 @@ size_t permute_scratch_bytes(int64_t num_entries, int64_t num_experts) {
 }
 
 cudaError_t launch_permute(const PermuteArgs& a, cudaStream_t stream) {
-  if (a.num_tokens < 0 || a.top_k < 1 || a.num_experts < 1 || a.num_experts > kMaxExperts || a.tile_rows < 1)
-    return cudaErrorInvalidValue;
+  if (!permute_block::permute_args_valid(a)) return cudaErrorInvalidValue;
   const int64_t n = static_cast<int64_t>(a.num_tokens) * a.top_k;
-  if (n > INT32_MAX) return cudaErrorInvalidValue;
-  if (a.expert_offsets == nullptr || a.num_tiles == nullptr) return cudaErrorInvalidValue;
-  for (int r = 0; r < PermuteArgs::kZeroRanges; ++r)
-    if (a.zero_count[r] < 0 || (a.zero_count[r] > 0 && a.zero_words[r] == nullptr)) return cudaErrorInvalidValue;
-  if (n > 0 && (a.topk_ids == nullptr || a.row_to_entry == nullptr || a.entry_to_row == nullptr ||
-                a.tile_expert == nullptr || a.tile_row_start == nullptr))
-    return cudaErrorInvalidValue;
   // NOTE: T = 0 still launches the small kernel: expert_offsets (all zero) and num_tiles (0) must be
   // written for the GEMMs that follow.
   if (n <= kSmallEntries) return launch_dependent(permute_small_kernel, dim3(1), dim3(kThreads), 0, stream, a);

@@ -14,6 +14,10 @@
 // With RouteArgs::quant_out (scalar w4a4) each token's row of hidden is also written fake-quantized to
 // NVFP4, once: by extra blocks of route_kernel's launch (a thread per 16-element block, in parallel
 // with the routing warps), and by the token's CTA in route_deepseek_block_kernel (quantize_token_row).
+// launch_route_permute (few entries, route_permute_fits): one block of permute_block::kThreads routes
+// every token (a warp per token, or the one DeepSeekV3 token), then permutes the ids it wrote with the
+// permute launch's one-block code (kernels/permute_block.cuh): one launch, and one dependent-launch
+// boundary of the forward, fewer.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -22,12 +26,13 @@
 #include "kernels/dependent_launch.cuh"
 #include "kernels/launch.hpp"
 #include "kernels/nvfp4_device.cuh"
+#include "kernels/permute_block.cuh"
 
 namespace fp4moe::kernels {
 namespace {
 
 constexpr int kWarpsPerBlock = 4;
-constexpr int kMaxExperts = 512;
+constexpr int kMaxExperts = permute_block::kMaxExperts;
 constexpr int kMaxTopK = 32;
 constexpr int kMaxGroups = 16;
 constexpr unsigned kFull = 0xFFFFFFFFu;
@@ -87,28 +92,9 @@ __device__ __forceinline__ void quantize_token_row(const RouteArgs& a, int64_t t
   for (int b = first; b < a.hidden_size / nvfp4::kBlock; b += threads) quantize_hidden_block(a, t, b, gs, inv_gs);
 }
 
+// Token t's routing by one warp (the steps in the file header). Every lane of the warp calls it.
 template <int VPT>  // values per lane: E <= 32 * VPT
-__global__ void __launch_bounds__(kWarpsPerBlock * 32)
-    route_kernel(const RouteArgs args) {
-  dependent_launch_prologue();
-  // Blocks past the routing ones (quant_out only): thread i of them quantizes block i % (H / 16) of
-  // token i / (H / 16).
-  // NOTE: one warp quantizing its token's row after routing it took longer than the gather_quantize
-  // launch this saves (qwen3 presets, T = 1: route 6 -> 11-15 us; docs/perf.md, sixth session); in
-  // blocks of their own the rows are quantized while the warps route.
-  const int64_t route_blocks = (static_cast<int64_t>(args.num_tokens) + kWarpsPerBlock - 1) / kWarpsPerBlock;
-  if (blockIdx.x >= route_blocks) {
-    const int64_t i = (blockIdx.x - route_blocks) * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-    const int per_row = args.hidden_size / nvfp4::kBlock;
-    if (i >= static_cast<int64_t>(args.num_tokens) * per_row) return;
-    const float gs = nvfp4::global_inv_scale(args.input_scale[0]);
-    quantize_hidden_block(args, i / per_row, static_cast<int>(i % per_row), gs, __fdiv_rn(1.0f, gs));
-    return;
-  }
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int64_t t = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + warp;
-  if (t >= args.num_tokens) return;  // the whole warp leaves together
-
+__device__ __forceinline__ void route_token(const RouteArgs& args, int64_t t, int lane) {
   const int E = args.num_experts;
   const RoutingParams& p = args.params;
   const int k = p.top_k;
@@ -199,6 +185,44 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
   }
 }
 
+// launch_route_permute: the launch's one block permutes the ids it routed (permute_small_block, the
+// permute launch's arithmetic), after the barrier that makes every warp's ids visible to the block.
+// Every thread of the block calls it; `permute.expert_offsets == nullptr` (launch_route) does nothing.
+__device__ __forceinline__ void permute_in_block(const PermuteArgs& permute) {
+  if (permute.expert_offsets == nullptr) return;  // block-uniform
+  __shared__ permute_block::SmallShared sh;
+  __syncthreads();
+  permute_block::permute_small_block(permute, sh);
+}
+
+// Warp w of block b routes tokens b * warps + w, + route_blocks * warps, ... (one token per warp,
+// except in the one block of launch_route_permute). Blocks past the routing ones (quant_out only):
+// thread i of them quantizes block i % (H / 16) of token i / (H / 16).
+// NOTE: one warp quantizing its token's row after routing it took longer than the gather_quantize
+// launch this saves (qwen3 presets, T = 1: route 6 -> 11-15 us; docs/perf.md, sixth session); in
+// blocks of their own the rows are quantized while the warps route.
+template <int VPT>
+__global__ void __launch_bounds__(permute_block::kThreads)
+    route_kernel(const RouteArgs args, const PermuteArgs permute) {
+  dependent_launch_prologue();
+  const int warps = blockDim.x / 32;
+  const int64_t route_blocks = permute.expert_offsets != nullptr
+                                   ? 1
+                                   : (static_cast<int64_t>(args.num_tokens) + warps - 1) / warps;
+  if (blockIdx.x >= route_blocks) {
+    const int64_t i = (blockIdx.x - route_blocks) * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+    const int per_row = args.hidden_size / nvfp4::kBlock;
+    if (i >= static_cast<int64_t>(args.num_tokens) * per_row) return;
+    const float gs = nvfp4::global_inv_scale(args.input_scale[0]);
+    quantize_hidden_block(args, i / per_row, static_cast<int>(i % per_row), gs, __fdiv_rn(1.0f, gs));
+    return;
+  }
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int64_t t = static_cast<int64_t>(blockIdx.x) * warps + warp; t < args.num_tokens; t += route_blocks * warps)
+    route_token<VPT>(args, t, lane);  // warp-uniform
+  permute_in_block(permute);
+}
+
 // DeepSeekV3 with one CTA per token and one thread per expert (blockDim = E rounded up to 32), the
 // choice and weights of reference/routing.cpp: the sigmoids, the group scan and the top-k rounds run
 // across the CTA (a one-warp version issued ~5000 dependent instructions per token: ~17 us at T = 1,
@@ -208,7 +232,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
 //      value(k1) + value(k2) (fp32); thread 0 keeps the topk_group best groups (ties: lower group)
 //   3. k rounds of a CTA argmax (warp redux, then the warps' winners in shared memory; ties: lower id)
 //   4. thread j < k: the weight of slot j, the slot sum in slot order (double), as route_kernel
-__global__ void __launch_bounds__(kMaxExperts) route_deepseek_block_kernel(const RouteArgs args) {
+__global__ void __launch_bounds__(kMaxExperts) route_deepseek_block_kernel(const RouteArgs args, const PermuteArgs permute) {
   __shared__ float c_sh[kMaxExperts];
   __shared__ uint32_t gkey_sh[kMaxGroups];
   __shared__ uint32_t kept_sh;
@@ -304,6 +328,7 @@ __global__ void __launch_bounds__(kMaxExperts) route_deepseek_block_kernel(const
     args.topk_weights[blockIdx.x * static_cast<int64_t>(k) + e] = __double2float_rn(w);
   }
   if (args.quant_out != nullptr) quantize_token_row(args, blockIdx.x, threadIdx.x, blockDim.x);
+  permute_in_block(permute);  // launch_route_permute: T = 1, one block of permute_block::kThreads
 }
 
 bool aligned16(const void* q) { return reinterpret_cast<uintptr_t>(q) % 16 == 0; }
@@ -330,28 +355,53 @@ bool route_args_valid(const RouteArgs& a) {
   return true;
 }
 
+static_assert(permute_block::kThreads <= kMaxExperts, "the one-block DeepSeekV3 launch fits its launch bound");
+
+// Both launchers: the routing kernel of the method, with `permute` run by its one block when
+// permute.expert_offsets is set (launch_route_permute; the caller checked route_permute_fits).
+cudaError_t launch_route_kernel(const RouteArgs& args, const PermuteArgs& permute, cudaStream_t stream) {
+  const bool one_block = permute.expert_offsets != nullptr;
+  if (args.params.method == RoutingMethod::DeepSeekV3) {
+    if (args.num_tokens > 0x7FFFFFFF) return cudaErrorInvalidValue;
+    // NOTE: one thread per expert; the permutation needs the whole permute_block::kThreads block.
+    const dim3 block(one_block ? permute_block::kThreads : static_cast<unsigned>((args.num_experts + 31) / 32 * 32));
+    return launch_dependent(route_deepseek_block_kernel, dim3(static_cast<unsigned>(args.num_tokens)), block, 0,
+                            stream, args, permute);
+  }
+  const dim3 block(one_block ? permute_block::kThreads : kWarpsPerBlock * 32);
+  const int64_t warps = block.x / 32;
+  int64_t grid = one_block ? 1 : (static_cast<int64_t>(args.num_tokens) + warps - 1) / warps;
+  // + the quantizing blocks: a thread per 16-element block of hidden
+  if (args.quant_out != nullptr)
+    grid += (static_cast<int64_t>(args.num_tokens) * (args.hidden_size / nvfp4::kBlock) + block.x - 1) / block.x;
+  if (grid > 0x7FFFFFFF) return cudaErrorInvalidValue;
+  const dim3 g(static_cast<unsigned>(grid));
+  if (args.num_experts <= 32) return launch_dependent(route_kernel<1>, g, block, 0, stream, args, permute);
+  if (args.num_experts <= 128) return launch_dependent(route_kernel<4>, g, block, 0, stream, args, permute);
+  return launch_dependent(route_kernel<16>, g, block, 0, stream, args, permute);
+}
+
 }  // namespace
 
 cudaError_t launch_route(const RouteArgs& args, cudaStream_t stream) {
   if (!route_args_valid(args)) return cudaErrorInvalidValue;
   if (args.num_tokens == 0) return cudaSuccess;
-  const unsigned blocks =
-      static_cast<unsigned>((static_cast<int64_t>(args.num_tokens) + kWarpsPerBlock - 1) / kWarpsPerBlock);
-  if (args.params.method == RoutingMethod::DeepSeekV3) {
-    if (args.num_tokens > 0x7FFFFFFF) return cudaErrorInvalidValue;
-    const dim3 experts_block(static_cast<unsigned>((args.num_experts + 31) / 32 * 32));
-    return launch_dependent(route_deepseek_block_kernel, dim3(static_cast<unsigned>(args.num_tokens)), experts_block, 0,
-                            stream, args);
-  }
-  const dim3 block(kWarpsPerBlock * 32);
-  int64_t grid = blocks;  // + the quantizing blocks: a thread per 16-element block of hidden
-  if (args.quant_out != nullptr)
-    grid += (static_cast<int64_t>(args.num_tokens) * (args.hidden_size / nvfp4::kBlock) + block.x - 1) / block.x;
-  if (grid > 0x7FFFFFFF) return cudaErrorInvalidValue;
-  const dim3 g(static_cast<unsigned>(grid));
-  if (args.num_experts <= 32) return launch_dependent(route_kernel<1>, g, block, 0, stream, args);
-  if (args.num_experts <= 128) return launch_dependent(route_kernel<4>, g, block, 0, stream, args);
-  return launch_dependent(route_kernel<16>, g, block, 0, stream, args);
+  return launch_route_kernel(args, PermuteArgs{}, stream);
+}
+
+bool route_permute_fits(const RoutingParams& params, int64_t num_tokens) {
+  if (num_tokens < 1 || num_tokens * params.top_k > permute_block::kSmallEntries) return false;
+  // DeepSeekV3 routes a token per block: one block routes one token.
+  return params.method != RoutingMethod::DeepSeekV3 || num_tokens == 1;
+}
+
+cudaError_t launch_route_permute(const RouteArgs& route, const PermuteArgs& permute, cudaStream_t stream) {
+  if (!route_args_valid(route) || !permute_block::permute_args_valid(permute)) return cudaErrorInvalidValue;
+  if (!route_permute_fits(route.params, route.num_tokens)) return cudaErrorInvalidValue;
+  if (permute.topk_ids != route.topk_ids || permute.num_tokens != route.num_tokens ||
+      permute.top_k != route.params.top_k || permute.num_experts != route.num_experts)
+    return cudaErrorInvalidValue;
+  return launch_route_kernel(route, permute, stream);
 }
 
 }  // namespace fp4moe::kernels

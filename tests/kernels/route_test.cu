@@ -3,6 +3,8 @@
 // Every routing method, E in {8, 16, 128, 256, 512}, k in {1, 2, 4, 8, 32} (k <= E), fp32 and bf16
 // logits, logits with exact ties, NaN logits, DeepSeekV3 with and without groups, T from 0 to 8193.
 // Outputs are poisoned before each launch; ids must be identical, weights within 1e-6 relative.
+// Where launch_route_permute applies (T * k <= 32), every case also runs it and compares its routing
+// and permutation with launch_route then launch_permute, bit for bit.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -51,6 +53,93 @@ bool weight_close(float got, float want) {
   if (std::isnan(want)) return std::isnan(got);
   if (got == want) return true;
   return std::fabs(static_cast<double>(got) - want) <= 1e-6 * std::fabs(static_cast<double>(want));
+}
+
+// The permutation outputs of one launch (launch_permute or launch_route_permute), poisoned first; two
+// zero_words ranges set to non-zero words that the launch must clear.
+struct PermuteOutputs {
+  DeviceBuffer<int32_t> offsets, row_to_entry, entry_to_row, tile_expert, tile_row_start, num_tiles, words;
+  kernels::PermuteArgs args;
+
+  PermuteOutputs(const int32_t* ids, int T, int k, int E, int tile_rows) {
+    const int64_t n = static_cast<int64_t>(T) * k, tiles = kernels::max_tiles(n, E, tile_rows);
+    offsets.allocate(E + 1);
+    row_to_entry.allocate(n);
+    entry_to_row.allocate(n);
+    tile_expert.allocate(tiles);
+    tile_row_start.allocate(tiles);
+    num_tiles.allocate(1);
+    words.allocate(40);
+    for (auto* b : {&offsets, &row_to_entry, &entry_to_row, &tile_expert, &tile_row_start, &num_tiles, &words})
+      b->poison(0xA5);
+    args.topk_ids = ids;
+    args.num_tokens = T;
+    args.top_k = k;
+    args.num_experts = E;
+    args.tile_rows = tile_rows;
+    args.expert_offsets = offsets.get();
+    args.row_to_entry = row_to_entry.get();
+    args.entry_to_row = entry_to_row.get();
+    args.tile_expert = tile_expert.get();
+    args.tile_row_start = tile_row_start.get();
+    args.num_tiles = num_tiles.get();
+    args.zero_words[0] = words.get();
+    args.zero_count[0] = 25;
+    args.zero_words[2] = words.get() + 30;
+    args.zero_count[2] = 7;
+  }
+  bool ok() const {
+    return offsets.ok() && row_to_entry.ok() && entry_to_row.ok() && tile_expert.ok() && tile_row_start.ok() &&
+           num_tiles.ok() && words.ok();
+  }
+  // Every array, in a fixed order (the whole buffers: poison past the written part must match too).
+  std::vector<std::vector<int32_t>> download() const {
+    return {offsets.download(), row_to_entry.download(), entry_to_row.download(), tile_expert.download(),
+            tile_row_start.download(), num_tiles.download(), words.download()};
+  }
+};
+
+// launch_route_permute against launch_route then launch_permute on the route's ids (`args`, already
+// run by run_case; `ids`, `w`, `quant` its outputs): every output bit for bit, both tile heights.
+void check_route_permute(const RouteCase& c, const kernels::RouteArgs& args, const std::vector<int32_t>& ids,
+                         const std::vector<float>& w, const std::vector<uint16_t>& quant) {
+  const int k = c.params.top_k;
+  for (int tile_rows : {16, 32}) {
+    SCOPED_TRACE(testing::Message() << "route_permute, tile_rows=" << tile_rows);
+    PermuteOutputs separate(args.topk_ids, c.T, k, c.E, tile_rows);
+    ASSERT_TRUE(separate.ok());
+    CUDA_ASSERT(kernels::launch_permute(separate.args, nullptr));
+
+    DeviceBuffer<int32_t> d_ids(ids.size());
+    DeviceBuffer<float> d_w(w.size());
+    DeviceBuffer<uint16_t> d_quant(quant.size());
+    ASSERT_TRUE(d_ids.ok() && d_w.ok() && d_quant.ok());
+    d_ids.poison();
+    d_w.poison();
+    d_quant.poison();
+    kernels::RouteArgs fused = args;
+    fused.topk_ids = d_ids.get();
+    fused.topk_weights = d_w.get();
+    if (args.quant_out != nullptr) fused.quant_out = reinterpret_cast<__nv_bfloat16*>(d_quant.get());
+    PermuteOutputs one_launch(d_ids.get(), c.T, k, c.E, tile_rows);
+    ASSERT_TRUE(one_launch.ok());
+    CUDA_ASSERT(kernels::launch_route_permute(fused, one_launch.args, nullptr));
+    CUDA_ASSERT(cudaDeviceSynchronize());
+
+    EXPECT_EQ(d_ids.download(), ids);
+    const std::vector<float> got_w = d_w.download();
+    ASSERT_EQ(got_w.size(), w.size());
+    for (size_t i = 0; i < w.size(); ++i)
+      EXPECT_EQ(test::float_bits(got_w[i]), test::float_bits(w[i])) << "weight " << i;
+    if (args.quant_out != nullptr) EXPECT_EQ(d_quant.download(), quant);
+    const auto want = separate.download(), got = one_launch.download();
+    const char* names[] = {"expert_offsets", "row_to_entry", "entry_to_row", "tile_expert", "tile_row_start",
+                           "num_tiles", "zero_words"};
+    for (size_t i = 0; i < want.size(); ++i) EXPECT_EQ(got[i], want[i]) << names[i];
+    const std::vector<int32_t> words = got.back();
+    for (int i = 0; i < 25; ++i) EXPECT_EQ(words[i], 0) << "zero_words[0][" << i << "]";
+    EXPECT_NE(words[27], 0) << "a word outside the ranges was written";
+  }
 }
 
 // Runs one case and checks it; returns false after the first reported mismatch batch.
@@ -151,6 +240,8 @@ void run_case(const RouteCase& c) {
 
   const std::vector<int32_t> ids = d_ids.download();
   const std::vector<float> w = d_w.download();
+  if (kernels::route_permute_fits(c.params, c.T))
+    check_route_permute(c, args, ids, w, H > 0 ? d_quant.download() : std::vector<uint16_t>{});
   int reported = 0;
   for (size_t i = 0; i < ids.size() && reported < 8; ++i) {
     if (ids[i] != want.ids[i] || !weight_close(w[i], want.weights[i])) {
@@ -362,6 +453,86 @@ TEST(RouteKernel, TokenCounts) {
     run_case(a);
     run_case(deepseek_r1_case(T, ++seed));
   }
+}
+
+// Every shape that launch_route_permute takes (T * k <= 32; DeepSeekV3 at T = 1): run_case checks the
+// one-launch routing and permutation against the two launches, bit for bit.
+TEST(RouteKernel, RoutePermuteOneLaunch) {
+  FP4MOE_REQUIRE_SM90();
+  uint64_t seed = 1000;
+  int shape = 0;
+  for (RoutingMethod m : kPlainMethods)
+    for (int E : kExperts)
+      for (int k : kTopK) {
+        if (k > E) continue;
+        for (int T : {1, 2, 3, 4, 17, 32}) {
+          if (T * k > 32) continue;
+          RouteCase c;
+          c.params = params_of(m, k);
+          c.E = E;
+          c.T = T;
+          c.bf16 = (shape % 2) == 1;
+          c.kind = (shape % 5) == 0 ? LogitKind::Ties : LogitKind::Normal;
+          c.quant_hidden = (shape % 3) == 0 ? 2048 + 16 : 0;
+          c.seed = ++seed;
+          ++shape;
+          run_case(c);
+        }
+      }
+  for (int E : {16, 128}) {
+    RouteCase c;
+    c.params = params_of(RoutingMethod::Llama4, 1);
+    c.E = E;
+    c.T = 32;
+    c.seed = ++seed;
+    run_case(c);
+  }
+  RouteCase r1 = deepseek_r1_case(1, ++seed);
+  r1.quant_hidden = 7168;
+  run_case(r1);
+  RouteCase wide = r1;  // E = 512, k = 32, 16 groups
+  wide.params = params_of(RoutingMethod::DeepSeekV3, 32, 16, 2, 1.0f);
+  wide.E = 512;
+  wide.quant_hidden = 0;
+  wide.seed = ++seed;
+  run_case(wide);
+}
+
+TEST(RouteKernel, RoutePermuteRejectsWhatDoesNotFit) {
+  EXPECT_TRUE(kernels::route_permute_fits(params_of(RoutingMethod::Renormalize, 8), 4));
+  EXPECT_FALSE(kernels::route_permute_fits(params_of(RoutingMethod::Renormalize, 8), 5));   // 40 entries
+  EXPECT_TRUE(kernels::route_permute_fits(params_of(RoutingMethod::Llama4, 1), 32));
+  EXPECT_FALSE(kernels::route_permute_fits(params_of(RoutingMethod::Llama4, 1), 33));
+  EXPECT_TRUE(kernels::route_permute_fits(params_of(RoutingMethod::DeepSeekV3, 8, 8, 4), 1));
+  EXPECT_FALSE(kernels::route_permute_fits(params_of(RoutingMethod::DeepSeekV3, 8, 8, 4), 2));  // a block per token
+  EXPECT_FALSE(kernels::route_permute_fits(params_of(RoutingMethod::Renormalize, 8), 0));
+  int32_t* const ids = reinterpret_cast<int32_t*>(16);  // never dereferenced: every call is refused
+  int32_t* const out = reinterpret_cast<int32_t*>(32);
+  const float logits = 0.0f;
+  kernels::RouteArgs r;
+  r.logits = &logits;
+  r.num_tokens = 5;
+  r.num_experts = 128;
+  r.params = params_of(RoutingMethod::Renormalize, 8);
+  r.topk_ids = ids;
+  r.topk_weights = reinterpret_cast<float*>(out);
+  kernels::PermuteArgs pa;
+  pa.topk_ids = ids;
+  pa.num_tokens = 5;
+  pa.top_k = 8;
+  pa.num_experts = 128;
+  pa.tile_rows = 16;
+  pa.expert_offsets = pa.row_to_entry = pa.entry_to_row = pa.tile_expert = pa.tile_row_start = pa.num_tiles = out;
+  EXPECT_EQ(kernels::launch_route_permute(r, pa, nullptr), cudaErrorInvalidValue);  // 40 entries
+  r.num_tokens = pa.num_tokens = 4;
+  pa.topk_ids = out;  // not the route's ids
+  EXPECT_EQ(kernels::launch_route_permute(r, pa, nullptr), cudaErrorInvalidValue);
+  pa.topk_ids = ids;
+  pa.top_k = 4;  // not the route's k
+  EXPECT_EQ(kernels::launch_route_permute(r, pa, nullptr), cudaErrorInvalidValue);
+  pa.top_k = 8;
+  pa.num_tiles = nullptr;  // an invalid permutation
+  EXPECT_EQ(kernels::launch_route_permute(r, pa, nullptr), cudaErrorInvalidValue);
 }
 
 TEST(RouteKernel, RejectsBadArguments) {
