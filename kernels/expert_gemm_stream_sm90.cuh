@@ -484,6 +484,27 @@ __global__ void __launch_bounds__(kThreads, StreamTile<TileRows>::kCtasPerSm)
   __shared__ int s_last;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
   const uint32_t smem_base = sm90gemm::smem_addr(smem);
+  const Params& p = sp.base;
+  // The early start (GemmEarlyStart, kernel-uniform): AfterWait waits here; TileTable finds the tile,
+  // issues the ring's first weight copies and then waits (below).
+  // NOTE: a tile's weights do not depend on the previous kernels, only which tile (expert) it is; the
+  // ring's first chunks then land while the previous kernel still runs instead of after a launch
+  // boundary plus an HBM round trip.
+  const bool issue_early = sp.early == GemmEarlyStart::TileTable;
+  if (!issue_early) dependent_launch_prologue();
+  // NOTE: the grid covers max_tiles(T*k, E, rows) tiles; at decode most are past *num_tiles (deepseek-r1
+  // T = 64: 9520 of 16128 GEMM2 CTAs), so a CTA first finds whether it has a tile, in 32-bit arithmetic
+  // (the 64-bit division by n_ctas and split_k was ~150 instructions of every CTA's prologue, SASS).
+  const unsigned bid = blockIdx.x, n_ctas = static_cast<unsigned>(p.n_ctas), split_k = static_cast<unsigned>(sp.split_k);
+  const int tile = static_cast<int>(bid / (n_ctas * split_k));
+  const int num_tiles = issue_early ? __ldcg(p.num_tiles) : *p.num_tiles;  // early: >= 2 launches old, via L2
+  if (tile >= num_tiles) {  // the whole CTA leaves before any ring barrier
+    // NOTE: every CTA waits before it ends, so the grid's completion still implies its predecessors'.
+    if (issue_early) dependent_wait();
+    return;
+  }
+  const int ntile = static_cast<int>(bid % n_ctas);
+  const int split = static_cast<int>((bid / n_ctas) % split_k);
   // NOTE: the barriers and the map prefetch do not depend on the previous kernel: before its wait.
   if (tid == 0) {
     for (int i = 0; i < C::kStages; ++i) {
@@ -494,37 +515,16 @@ __global__ void __launch_bounds__(kThreads, StreamTile<TileRows>::kCtasPerSm)
     sm90gemm::tma_prefetch(&maps.w);
     sm90gemm::tma_prefetch(&maps.scale);
   }
-  const Params& p = sp.base;
-  // The early start (GemmEarlyStart, kernel-uniform): AfterWait waits here; TileTable finds the tile,
-  // issues the ring's first weight copies and then waits (below).
-  // NOTE: a tile's weights do not depend on the previous kernels, only which tile (expert) it is; the
-  // ring's first chunks then land while the previous kernel still runs instead of after a launch
-  // boundary plus an HBM round trip.
-  const bool issue_early = sp.early == GemmEarlyStart::TileTable;
-  if (!issue_early) dependent_launch_prologue();
-
-  int64_t bid = blockIdx.x;
-  const int ntile = static_cast<int>(bid % p.n_ctas);
-  bid /= p.n_ctas;
-  const int split = static_cast<int>(bid % sp.split_k);
-  const int tile = static_cast<int>(bid / sp.split_k);
-  int expert = -1, valid_rows = 0;
-  int64_t tile_row0 = 0;
-  if (issue_early) {  // written >= 2 launches ago: read through L2
-    if (tile < __ldcg(p.num_tiles)) {
-      expert = __ldcg(p.tile_expert + tile);
-      tile_row0 = __ldcg(p.tile_row_start + tile);
-      valid_rows = static_cast<int>(min(static_cast<int64_t>(kTileRows), __ldcg(p.expert_offsets + expert + 1) - tile_row0));
-    }
-  } else if (tile < *p.num_tiles) {
+  int expert, valid_rows;
+  int64_t tile_row0;
+  if (issue_early) {
+    expert = __ldcg(p.tile_expert + tile);
+    tile_row0 = __ldcg(p.tile_row_start + tile);
+    valid_rows = static_cast<int>(min(static_cast<int64_t>(kTileRows), __ldcg(p.expert_offsets + expert + 1) - tile_row0));
+  } else {
     expert = p.tile_expert[tile];
     tile_row0 = p.tile_row_start[tile];
     valid_rows = static_cast<int>(min(static_cast<int64_t>(kTileRows), p.expert_offsets[expert + 1] - tile_row0));
-  }
-  if (valid_rows <= 0) {  // the whole CTA leaves before any ring barrier
-    // NOTE: every CTA waits before it ends, so the grid's completion still implies its predecessors'.
-    if (issue_early) dependent_wait();
-    return;
   }
   const bool gated = !kGemm2 && p.epilogue == Epilogue::Gemm1Gated;
   StageSource src{&maps.w, &maps.scale, gated ? ntile * (kGroupsPerCta / 2) : ntile * kGroupsPerCta, expert, gated,
