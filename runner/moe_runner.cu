@@ -451,10 +451,10 @@ Status GpuMoeRunner::run(cudaStream_t stream, const ForwardArgs& a, bool routed,
   // NOTE (early start, kernels/launch.hpp GemmEarlyStart): what a streaming GEMM may read before its
   // dependency wait follows from this launch order. After a gather_quantize launch the tile table is two
   // launches old, so GEMM1 issues its first weight copies while the gather runs. GEMM2 always has GEMM1
-  // between it and permute; it starts early up to kGemm2EarlyEntries entries (T * k): at T <= 4 with
-  // k = 8 that was -1..-3 us per layer; beyond, the one run that tried it was slower, with another cost
-  // mixed in (docs/perf.md, eleventh session, run 1).
-  constexpr int64_t kGemm2EarlyEntries = 32;
+  // between it and the permutation, so it always starts early: A/B 20 decode rows T = 8..128 w4a16
+  // geomean 0.993 against starting early only up to 32 entries (qwen3-30b-a3b T = 8 86.0 -> 82.2 us;
+  // docs/perf.md, thirteenth session), where the eleventh session's run 1 had measured a loss with
+  // another change mixed in.
   const bool stream_kernel = tactic.kernel == GemmKernel::Sm90Stream;
   if (stream_kernel && !gather_in_gemm1) g1.early_start = kernels::GemmEarlyStart::TileTable;
   FP4MOE_LAUNCH(4, "gemm1_act", kernels::launch_gemm1_act(g1, stream));
@@ -465,7 +465,7 @@ Status GpuMoeRunner::run(cudaStream_t stream, const ForwardArgs& a, bool routed,
   g2.row_to_entry = pa.row_to_entry;
   g2.y = region<float>(ws, plan.y);
   g2.split_workspace = region<void>(ws, plan.split2);
-  if (stream_kernel && entries <= kGemm2EarlyEntries) g2.early_start = kernels::GemmEarlyStart::TileTable;
+  if (stream_kernel) g2.early_start = kernels::GemmEarlyStart::TileTable;
   // NOTE: with top-1 routing the finalize is one multiply per element: GEMM2 writes the output itself
   // (saves writing and re-reading y). Precomputed ids keep the separate finalize, which turns an
   // out-of-range id (a token without a GEMM row) into a NaN row.
