@@ -348,11 +348,18 @@ Status GpuMoeRunner::run(cudaStream_t stream, const ForwardArgs& a, bool routed,
   pa.tile_row_start = region<int32_t>(ws, plan.tile_row_start);
   pa.num_tiles = region<int32_t>(ws, plan.num_tiles);
   pa.scratch = region<void>(ws, plan.permute_scratch);
-  // NOTE: the streaming GEMM2 finalizes top-k > 1 itself (arrival counters per token and N tile, the
-  // last row's CTA sums the slots in order): one launch fewer, and y is re-read right after it is
-  // written. The permutation clears the counters. Caller-given ids keep the separate finalize, which turns an
-  // out-of-range id (a token with fewer than k GEMM rows) into a NaN row.
-  const bool finalize_in_gemm2 = k > 1 && !routed && tactic.kernel == GemmKernel::Sm90Stream;
+  // NOTE: with at most kFinalizeInGemm2Entries entries the streaming GEMM2 finalizes top-k > 1 itself
+  // (arrival counters per token and N tile, the last row's CTA sums the slots in order): one launch
+  // fewer, and y is re-read right after it is written. The permutation clears the counters. With more
+  // entries the finalize launch is faster: the hand-off (a CTA barrier, a gpu-scope fence and atomic,
+  // then the slot loads) holds every GEMM2 CTA's slot for its round trips (~10% of GEMM2's warp
+  // samples at deepseek-r1 T = 64, ncu), while the finalize launch reads y once (A/B 40 decode rows
+  // T = 8..128: geomean 0.995 in both modes, qwen3-30b-a3b T = 128 -2.4%; docs/perf.md, thirteenth
+  // session). Caller-given ids keep the separate finalize, which turns an out-of-range id (a token with
+  // fewer than k GEMM rows) into a NaN row.
+  constexpr int64_t kFinalizeInGemm2Entries = 32;
+  const bool finalize_in_gemm2 =
+      k > 1 && !routed && tactic.kernel == GemmKernel::Sm90Stream && entries <= kFinalizeInGemm2Entries;
   if (finalize_in_gemm2) {
     pa.zero_words[0] = region<int32_t>(ws, plan.finalize_counters);
     pa.zero_count[0] = kernels::gemm2_finalize_counter_count(T, p.hidden);
