@@ -34,6 +34,7 @@
 #include "kernels/expert_gemm_layout.cuh"
 #include "kernels/launch.hpp"
 #include "kernels/gpu_test_util.hpp"
+#include "kernels/permute_buffers.hpp"
 
 namespace fp4moe {
 namespace {
@@ -898,40 +899,29 @@ void run_early_start(const std::string& name, int T, int k, int E, const std::ve
   upload_weights(w13, E, N1, H, dw13);
   upload_weights(w2, E, H, I, dw2);
   const int64_t tiles = kernels::max_tiles(n, E, kern.tile_rows);
-  DeviceBuffer<int32_t> d_ids(ids), d_offsets(E + 1), d_r2e(n), d_e2r(n), d_te(tiles), d_trs(tiles), d_nt(1);
-  DeviceBuffer<uint8_t> d_scratch(std::max<size_t>(kernels::permute_scratch_bytes(n, E), 1));
+  DeviceBuffer<int32_t> d_ids(ids);
+  test::PermuteBuffers perm(d_ids.get(), T, k, E, kern.tile_rows);
   DeviceBuffer<uint16_t> d_hidden(hbits), d_a1(static_cast<size_t>(n * H)),
       d_act(static_cast<size_t>((n + kGuardRows) * I));
   DeviceBuffer<float> d_alpha1(alpha1), d_alpha2(alpha2), d_y(static_cast<size_t>((n + kGuardRows) * H));
   const size_t ws1 = kernels::gemm_stream_workspace_bytes(tiles, N1, kern.tile_rows, kern.split_k);
   const size_t ws2 = kernels::gemm_stream_workspace_bytes(tiles, H, kern.tile_rows, kern.split_k);
   DeviceBuffer<uint8_t> d_ws1(std::max<size_t>(ws1, 16)), d_ws2(std::max<size_t>(ws2, 16));
-  ASSERT_TRUE(d_ids.ok() && d_act.ok() && d_y.ok() && d_ws1.ok() && d_ws2.ok() && dw13.w.ok() && dw2.w.ok());
+  ASSERT_TRUE(d_ids.ok() && perm.ok() && d_act.ok() && d_y.ok() && d_ws1.ok() && d_ws2.ok() && dw13.w.ok() &&
+              dw2.w.ok());
   d_ws1.poison(0);  // zeroed once at allocation
   d_ws2.poison(0);
 
-  kernels::PermuteArgs pa;
-  pa.topk_ids = d_ids.get();
-  pa.num_tokens = T;
-  pa.top_k = k;
-  pa.num_experts = E;
-  pa.tile_rows = kern.tile_rows;
-  pa.expert_offsets = d_offsets.get();
-  pa.row_to_entry = d_r2e.get();
-  pa.entry_to_row = d_e2r.get();
-  pa.tile_expert = d_te.get();
-  pa.tile_row_start = d_trs.get();
-  pa.num_tiles = d_nt.get();
-  pa.scratch = d_scratch.get();
+  const kernels::PermuteArgs& pa = perm.args;
   auto common = [&](kernels::ExpertGemmArgs& g, const DeviceWeights& dw, const float* alpha, int64_t K, int64_t N) {
     g.w = dw.w.get();
     g.w_scale = dw.s.get();
     g.weights = dw.info;
     g.alpha = alpha;
-    g.expert_offsets = d_offsets.get();
-    g.tile_expert = d_te.get();
-    g.tile_row_start = d_trs.get();
-    g.num_tiles = d_nt.get();
+    g.expert_offsets = pa.expert_offsets;
+    g.tile_expert = pa.tile_expert;
+    g.tile_row_start = pa.tile_row_start;
+    g.num_tiles = pa.num_tiles;
     g.max_tiles = tiles;
     g.num_experts = E;
     g.K = K;
@@ -939,7 +929,7 @@ void run_early_start(const std::string& name, int T, int k, int E, const std::ve
   };
   kernels::GatherArgs ga;
   ga.hidden = reinterpret_cast<const __nv_bfloat16*>(d_hidden.get());
-  ga.entry_to_row = d_e2r.get();
+  ga.entry_to_row = pa.entry_to_row;
   ga.topk_ids = d_ids.get();
   ga.num_tokens = T;
   ga.top_k = k;
@@ -958,7 +948,7 @@ void run_early_start(const std::string& name, int T, int k, int E, const std::ve
   common(g2, dw2, d_alpha2.get(), I, H);
   g2.a = g1.act;
   g2.rows = n;
-  g2.row_to_entry = d_r2e.get();
+  g2.row_to_entry = pa.row_to_entry;
   g2.y = d_y.get();
   g2.split_workspace = d_ws2.get();
 
@@ -967,7 +957,7 @@ void run_early_start(const std::string& name, int T, int k, int E, const std::ve
     std::vector<float> y;
   };
   auto chain = [&](GemmEarlyStart m1, GemmEarlyStart m2, Out& out) {
-    d_offsets.poison(), d_r2e.poison(), d_e2r.poison(), d_te.poison(), d_trs.poison(), d_nt.poison();
+    perm.poison();
     d_a1.poison(0xFF);
     d_act.poison(0xFF);
     d_y.poison(0xFF);

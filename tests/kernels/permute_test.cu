@@ -17,6 +17,7 @@
 
 #include "kernels/gpu_test_util.hpp"
 #include "kernels/launch.hpp"
+#include "kernels/permute_buffers.hpp"
 
 namespace fp4moe {
 namespace {
@@ -114,26 +115,9 @@ void run_case(int T, int k, int E, int tile_rows, IdKind kind, uint64_t seed) {
   ASSERT_LE(static_cast<int64_t>(want.tile_expert.size()), tiles_cap);
 
   DeviceBuffer<int32_t> d_ids(ids);
-  DeviceBuffer<int32_t> d_offsets(E + 1), d_r2e(n), d_e2r(n), d_te(tiles_cap), d_trs(tiles_cap), d_nt(1);
-  DeviceBuffer<uint8_t> d_scratch(kernels::permute_scratch_bytes(n, E));
-  ASSERT_TRUE(d_ids.ok() && d_offsets.ok() && d_r2e.ok() && d_e2r.ok() && d_te.ok() && d_trs.ok() &&
-              d_nt.ok() && d_scratch.ok());
-  for (auto* b : {&d_offsets, &d_r2e, &d_e2r, &d_te, &d_trs, &d_nt}) b->poison();
-  d_scratch.poison();
-
-  kernels::PermuteArgs a;
-  a.topk_ids = d_ids.get();
-  a.num_tokens = T;
-  a.top_k = k;
-  a.num_experts = E;
-  a.tile_rows = tile_rows;
-  a.expert_offsets = d_offsets.get();
-  a.row_to_entry = d_r2e.get();
-  a.entry_to_row = d_e2r.get();
-  a.tile_expert = d_te.get();
-  a.tile_row_start = d_trs.get();
-  a.num_tiles = d_nt.get();
-  a.scratch = d_scratch.get();
+  test::PermuteBuffers out(d_ids.get(), T, k, E, tile_rows);
+  ASSERT_TRUE(d_ids.ok() && out.ok());
+  kernels::PermuteArgs& a = out.args;
   // The words the launch clears for later kernels (GEMM2's fused-finalize and split-K counters): 7 per
   // token + 1 in range 0, 3 in range 2, none in range 1.
   const int64_t zero_count = 7 * static_cast<int64_t>(T) + 1;
@@ -154,13 +138,13 @@ void run_case(int T, int k, int E, int tile_rows, IdKind kind, uint64_t seed) {
     ASSERT_EQ(zeroed.back(), -1) << "a word past zero_count[0] was written";
     ASSERT_EQ(std::count(zeroed2.begin(), zeroed2.end() - 1, 0), 3) << "zero_words[2] not cleared";
     ASSERT_EQ(zeroed2.back(), -1) << "a word past zero_count[2] was written";
-    expect_equal(d_offsets.download(), want.offsets, "expert_offsets");
-    expect_equal(d_r2e.download(), want.row_to_entry, "row_to_entry");
-    expect_equal(d_e2r.download(), want.entry_to_row, "entry_to_row");
-    const int32_t nt = d_nt.download()[0];
+    expect_equal(out.offsets.download(), want.offsets, "expert_offsets");
+    expect_equal(out.row_to_entry.download(), want.row_to_entry, "row_to_entry");
+    expect_equal(out.entry_to_row.download(), want.entry_to_row, "entry_to_row");
+    const int32_t nt = out.num_tiles.download()[0];
     ASSERT_EQ(nt, static_cast<int32_t>(want.tile_expert.size()));
-    expect_equal(d_te.download(nt), want.tile_expert, "tile_expert");
-    expect_equal(d_trs.download(nt), want.tile_row_start, "tile_row_start");
+    expect_equal(out.tile_expert.download(nt), want.tile_expert, "tile_expert");
+    expect_equal(out.tile_row_start.download(nt), want.tile_row_start, "tile_row_start");
   }
 }
 

@@ -20,6 +20,7 @@
 #include "fp4moe/reference.hpp"
 #include "kernels/gpu_test_util.hpp"
 #include "kernels/launch.hpp"
+#include "kernels/permute_buffers.hpp"
 
 namespace fp4moe {
 namespace {
@@ -58,44 +59,24 @@ bool weight_close(float got, float want) {
 // The permutation outputs of one launch (launch_permute or launch_route_permute), poisoned first; two
 // zero_words ranges set to non-zero words that the launch must clear.
 struct PermuteOutputs {
-  DeviceBuffer<int32_t> offsets, row_to_entry, entry_to_row, tile_expert, tile_row_start, num_tiles, words;
-  kernels::PermuteArgs args;
+  test::PermuteBuffers out;
+  DeviceBuffer<int32_t> words;
+  kernels::PermuteArgs& args = out.args;
 
-  PermuteOutputs(const int32_t* ids, int T, int k, int E, int tile_rows) {
-    const int64_t n = static_cast<int64_t>(T) * k, tiles = kernels::max_tiles(n, E, tile_rows);
-    offsets.allocate(E + 1);
-    row_to_entry.allocate(n);
-    entry_to_row.allocate(n);
-    tile_expert.allocate(tiles);
-    tile_row_start.allocate(tiles);
-    num_tiles.allocate(1);
+  PermuteOutputs(const int32_t* ids, int T, int k, int E, int tile_rows) : out(ids, T, k, E, tile_rows, 0xA5) {
     words.allocate(40);
-    for (auto* b : {&offsets, &row_to_entry, &entry_to_row, &tile_expert, &tile_row_start, &num_tiles, &words})
-      b->poison(0xA5);
-    args.topk_ids = ids;
-    args.num_tokens = T;
-    args.top_k = k;
-    args.num_experts = E;
-    args.tile_rows = tile_rows;
-    args.expert_offsets = offsets.get();
-    args.row_to_entry = row_to_entry.get();
-    args.entry_to_row = entry_to_row.get();
-    args.tile_expert = tile_expert.get();
-    args.tile_row_start = tile_row_start.get();
-    args.num_tiles = num_tiles.get();
+    words.poison(0xA5);
     args.zero_words[0] = words.get();
     args.zero_count[0] = 25;
     args.zero_words[2] = words.get() + 30;
     args.zero_count[2] = 7;
   }
-  bool ok() const {
-    return offsets.ok() && row_to_entry.ok() && entry_to_row.ok() && tile_expert.ok() && tile_row_start.ok() &&
-           num_tiles.ok() && words.ok();
-  }
+  bool ok() const { return out.ok() && words.ok(); }
   // Every array, in a fixed order (the whole buffers: poison past the written part must match too).
   std::vector<std::vector<int32_t>> download() const {
-    return {offsets.download(), row_to_entry.download(), entry_to_row.download(), tile_expert.download(),
-            tile_row_start.download(), num_tiles.download(), words.download()};
+    return {out.offsets.download(),        out.row_to_entry.download(), out.entry_to_row.download(),
+            out.tile_expert.download(),    out.tile_row_start.download(), out.num_tiles.download(),
+            words.download()};
   }
 };
 
