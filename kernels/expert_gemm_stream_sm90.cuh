@@ -283,8 +283,9 @@ __device__ __forceinline__ void mainloop(const Params& p, uint32_t smem_base, co
   const int seg0 = (lane & 1) * C::kLaneCopies;
   const uint32_t copy_dst = act_copy_dst<C>(smem_base, warp, lane);
 
+  // Chunk kn into stage j % kStages, by this warp's fill group (kn % kFillGroups == fill_group).
   auto refill = [&](int kn, int j, bool first_pass, uint32_t e_parity, bool skip_tma) {
-    if (kn >= last || (kn & (C::kFillGroups - 1)) != fill_group) return;  // warp-uniform
+    if (kn >= last) return;  // warp-uniform
     const int s = j % kStages;
     if (!first_pass) sm90gemm::mbar_wait(empty_bar + s * 8, e_parity);
     const uint32_t full = full_bar + s * 8, stage = smem_base + s * kStageBytes;  // (slots, 512 B) ...
@@ -315,7 +316,11 @@ __device__ __forceinline__ void mainloop(const Params& p, uint32_t smem_base, co
   asm volatile("" : "+r"(ldsm_base));  // kept in a register (NOTE above)
 
 #pragma unroll
-  for (int j = 0; j < kPrefetch; ++j) refill(c0 + j, j, true, 0, weights_issued);
+  for (int j = 0; j < kPrefetch; ++j)
+    if (((c0 + j) & (C::kFillGroups - 1)) == fill_group) refill(c0 + j, j, true, 0, weights_issued);
+  // NOTE: in the loop, chunk kc + kPrefetch is this warp's to fill when kc == fill_at (every
+  // kFillGroups-th chunk): one compare per chunk instead of recomputing kn, its group and the bound.
+  int fill_at = c0 + ((fill_group - c0 - kPrefetch) & (C::kFillGroups - 1));
   uint32_t pass_parity = 0;  // parity of the current pass's full[] phases (and of its empty[] phases)
 #pragma unroll 1
   for (int base = c0; base < last; base += kStages) {
@@ -327,8 +332,11 @@ __device__ __forceinline__ void mainloop(const Params& p, uint32_t smem_base, co
       // Chunk kn = kc + kPrefetch: in this pass (j < kStages: its stage was last used in the previous
       // pass, phase parity ^ 1) or in the next one (j >= kStages: used in this pass, phase parity).
       const int j = d + kPrefetch;
-      if (j < kStages) refill(kc + kPrefetch, j, first, pass_parity ^ 1u, false);
-      else refill(kc + kPrefetch, j, false, pass_parity, false);
+      if (kc == fill_at) {  // warp-uniform
+        fill_at += C::kFillGroups;
+        if (j < kStages) refill(kc + kPrefetch, j, first, pass_parity ^ 1u, false);
+        else refill(kc + kPrefetch, j, false, pass_parity, false);
+      }
       sm90gemm::mbar_wait(full_bar + d * 8, pass_parity);
       if (valid) {  // warp-uniform: rows past N
         const uint32_t off = d * kStageBytes;
