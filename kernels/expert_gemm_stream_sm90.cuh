@@ -21,7 +21,7 @@
 //   (weights and scales in the prepacked layout of expert_gemm_layout.cuh, lane l's 16 bytes of a slot
 //   at l * 16; activation rows of 128 bf16 padded to kActRowStride), then full[kStages] (the copy
 //   lanes' cp.async arrivals + one expect_tx arrival: every byte of the stage landed) and
-//   empty[kStages] (8 arrivals: every warp is done with the stage) mbarriers.
+//   empty[kStages] (256 arrivals, one per thread: every warp is done with the stage) mbarriers.
 //
 // Steps, per CTA:
 //   1. Initialise the mbarriers (before the dependency wait); with the early start (GemmEarlyStart::
@@ -252,7 +252,7 @@ __device__ __forceinline__ void zero_idle_act_row(uint32_t smem_base, int warp, 
 //      past K; rows past the tile's are zero already) and arrives on full[] once they have landed
 //      (cp.async.mbarrier.arrive.noinc).
 //   b. wait: full[] of chunk kc's stage (every byte of the stage landed).
-//   c. decode + MMA as described in the file header; then the warp arrives on empty[] of the stage.
+//   c. decode + MMA as described in the file header; then every lane arrives on empty[] of the stage.
 // The loop runs in passes of kStages chunks, unrolled, so that every stage offset, every parity and
 // every source offset (chunk - pass start) is a compile-time constant.
 // NOTE (no deadlock): chunk m is filled at its filler's iteration m - kPrefetch, after every warp is
@@ -300,7 +300,9 @@ __device__ __forceinline__ void mainloop(const Params& p, uint32_t smem_base, co
 #pragma unroll
         for (int i = 0; i < C::kLaneCopies; ++i) sm90gemm::cp_async16(dst + i * 16, from + 8 * i, 16u);
       } else {  // the last chunk when K % 128 != 0: segments past K are zero-filled, nothing is read
-#pragma unroll
+        // NOTE: a rolled loop: this path runs once per CTA at most, but unrolled it was ~75 of the ~150
+        // instructions of each refill copy in the unrolled main loop (SASS), which the SMs fetch.
+#pragma unroll 1
         for (int i = 0; i < C::kLaneCopies; ++i) {
           const bool ok = col + 8 * i < p.K;
           sm90gemm::cp_async16(dst + i * 16, ok ? src.a_row + col + 8 * i : src.a_row, ok ? 16u : 0u);
@@ -369,10 +371,10 @@ __device__ __forceinline__ void mainloop(const Params& p, uint32_t smem_base, co
           }
         }
       }
-      // NOTE: every lane's shared-memory results are consumed above; the warp's arrival (release) after
-      // __syncwarp orders all of its reads of the stage before any refill that waits on it.
-      __syncwarp();
-      if (lane == 0) sm90gemm::mbar_arrive(empty_bar + d * 8);
+      // NOTE: every lane arrives (empty[] counts kThreads): a lane's arrival (release) orders its own
+      // reads of the stage, whose results the MMAs above consumed, before any refill that waits on it.
+      // One instruction per warp, where the elected arrival after __syncwarp cost ~4 (SASS).
+      sm90gemm::mbar_arrive(empty_bar + d * 8);
     }
     pass_parity ^= 1u;
   }
@@ -506,7 +508,10 @@ __global__ void __launch_bounds__(kThreads, StreamTile<TileRows>::kCtasPerSm)
   // instructions up to that check, SASS).
   const unsigned bid = blockIdx.x, n_ctas = static_cast<unsigned>(p.n_ctas), split_k = static_cast<unsigned>(sp.split_k);
   const int tile = static_cast<int>(bid / (n_ctas * split_k));
-  const int num_tiles = issue_early ? __ldcg(p.num_tiles) : *p.num_tiles;  // early: >= 2 launches old, via L2
+  // NOTE: the tile table is read through L2 (__ldcg) in both modes: the early start reads it before the
+  // wait (written >= 2 launches earlier, never a stale L1 line); after the wait, L2 costs one load per
+  // CTA at most what a plain load costs, and one form serves both.
+  const int num_tiles = __ldcg(p.num_tiles);
   if (tile >= num_tiles) {  // the whole CTA leaves before any ring barrier
     // NOTE: every CTA waits before it ends, so the grid's completion still implies its predecessors'.
     if (issue_early) dependent_wait();
@@ -518,23 +523,16 @@ __global__ void __launch_bounds__(kThreads, StreamTile<TileRows>::kCtasPerSm)
   if (tid == 0) {
     for (int i = 0; i < C::kStages; ++i) {
       sm90gemm::mbar_init(smem_base + C::kBarrierOffset + i * 8, C::kFullArrivals);        // full[i]
-      sm90gemm::mbar_init(smem_base + C::kBarrierOffset + (C::kStages + i) * 8, kWarps);  // empty[i]
+      sm90gemm::mbar_init(smem_base + C::kBarrierOffset + (C::kStages + i) * 8, kThreads);  // empty[i]
     }
     sm90gemm::mbar_init_fence();
     sm90gemm::tma_prefetch(&maps.w);
     sm90gemm::tma_prefetch(&maps.scale);
   }
-  int expert, valid_rows;
-  int64_t tile_row0;
-  if (issue_early) {
-    expert = __ldcg(p.tile_expert + tile);
-    tile_row0 = __ldcg(p.tile_row_start + tile);
-    valid_rows = static_cast<int>(min(static_cast<int64_t>(kTileRows), __ldcg(p.expert_offsets + expert + 1) - tile_row0));
-  } else {
-    expert = p.tile_expert[tile];
-    tile_row0 = p.tile_row_start[tile];
-    valid_rows = static_cast<int>(min(static_cast<int64_t>(kTileRows), p.expert_offsets[expert + 1] - tile_row0));
-  }
+  const int expert = __ldcg(p.tile_expert + tile);
+  const int64_t tile_row0 = __ldcg(p.tile_row_start + tile);
+  const int valid_rows =
+      static_cast<int>(min(static_cast<int64_t>(kTileRows), __ldcg(p.expert_offsets + expert + 1) - tile_row0));
   const bool gated = !kGemm2 && p.epilogue == Epilogue::Gemm1Gated;
   StageSource src{&maps.w, &maps.scale, gated ? ntile * (kGroupsPerCta / 2) : ntile * kGroupsPerCta, expert, gated,
                   p.a, false};
