@@ -84,7 +84,8 @@ cudaError_t launch_permute(const PermuteArgs& args, cudaStream_t stream);
 // ---- routing and permutation in one launch (decode) -------------------------------------------------
 // launch_route then launch_permute on the routed ids, as one launch of one block: the same outputs,
 // bit for bit, and one kernel boundary fewer in the forward's chain of dependent launches. Only where
-// route_permute_fits: T * k <= 32 entries (the permutation's one-warp path), and T = 1 for DeepSeekV3
+// route_permute_fits: T * k <= 128 entries (permute_block::kSmallEntries, the permutation's one-block
+// path) and T <= 32 (two tokens per routing warp of the block), and T = 1 for DeepSeekV3
 // (whose routing takes a block per token). permute.topk_ids, num_tokens, top_k and num_experts must be
 // the route's; otherwise, or where it does not fit, cudaErrorInvalidValue.
 bool route_permute_fits(const RoutingParams& params, int64_t num_tokens);

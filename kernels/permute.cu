@@ -5,7 +5,7 @@
 // 256 consecutive entries, 32 at a time. Ids outside [0, E) go to an extra bucket E placed after all
 // experts: expert_offsets[E] counts the valid entries only, and those rows belong to no expert (the
 // GEMMs skip them), but row_to_entry / entry_to_row stay full permutations.
-//   at most 32 entries (decode), one launch: permute_small_kernel (no histograms, see
+//   at most 128 entries (decode), one launch: permute_small_kernel (no histograms, see
 //   kernels/permute_block.cuh); the route launch may run the same block instead (launch_route_permute).
 //   one chunk (T*k <= kChunk), one launch: permute_fused_kernel does every step below in one block.
 //   Either way, the one-block kernel (small, fused or scan) also clears PermuteArgs::zero_words.

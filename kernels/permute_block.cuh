@@ -18,7 +18,7 @@ inline constexpr int kWarps = 16;
 inline constexpr int kThreads = kWarps * 32;          // the block size every function here assumes
 inline constexpr int kMaxExperts = 512;
 inline constexpr int kMaxBuckets = kMaxExperts + 1;   // + the bucket of invalid ids
-inline constexpr int kSmallEntries = 32;              // permute_small_block's limit (one warp of entries)
+inline constexpr int kSmallEntries = 128;             // permute_small_block's limit (O(n) loops per thread)
 inline constexpr unsigned kFull = 0xFFFFFFFFu;
 static_assert(kMaxExperts <= kThreads, "permute_small_block: thread e owns expert e's tiles");
 
@@ -73,13 +73,15 @@ __device__ __forceinline__ void clear_words(const PermuteArgs& a) {
 // ---- few entries (T*k <= kSmallEntries): no per-warp histograms ------------------------------------
 // The histogram kernel's ~10 block barriers, its 16 x (E+1) histogram and the per-bucket scan over the
 // warps are a fixed cost of a few us at decode (qwen3-30b-a3b T = 1: ~5.4 us, one block, ncu). With at
-// most 32 entries:
-//   1. warp 0 loads the entries' buckets into shared memory (past n: a bucket above every real one);
-//   2. thread e (every bucket e <= E) counts the entries below and in its bucket from that copy
-//      (broadcast reads): expert_offsets[e] = first row of bucket e, tiles = ceil(count / tile_rows);
+// most kSmallEntries entries every count is a loop over the entries' buckets in shared memory:
+//   1. thread j < n loads entry j's bucket into shared memory;
+//   2. thread e (every bucket e <= E) counts the entries below and in its bucket (broadcast reads):
+//      expert_offsets[e] = first row of bucket e, tiles = ceil(count / tile_rows);
 //   3. one block scan of the tile counts; thread e writes its expert's tiles;
-//   4. warp 0: entry j's row = first row of its bucket + the lanes before j in the same bucket
-//      (match_any), so the order is the histogram kernel's (stable, by entry).
+//   4. thread j < n: entry j's row = first row of its bucket + the entries before j in the same bucket,
+//      so the order is the histogram kernel's (stable, by entry).
+// NOTE: steps 2 and 4 cost O(n) shared-memory reads per thread; at n <= 128 that is below the
+// histogram path's barriers (decode stage times, docs/perf.md fifteenth session).
 // The ids are read through L2 (__ldcg): in the route launch another warp of the block wrote them.
 struct SmallShared {
   int32_t bucket[kSmallEntries];
@@ -89,14 +91,16 @@ struct SmallShared {
 
 // Every thread of a kThreads block calls it; T * k <= kSmallEntries (the launchers check).
 __device__ __forceinline__ void permute_small_block(const PermuteArgs& a, SmallShared& sh) {
+  static_assert(kSmallEntries <= kThreads, "thread j loads entry j");
   const int E = a.num_experts, tid = threadIdx.x;
   const int n = a.num_tokens * a.top_k;
   clear_words(a);
-  if (tid < kSmallEntries) sh.bucket[tid] = tid < n ? bucket_of(__ldcg(a.topk_ids + tid), E) : kMaxBuckets;
+  if (tid < n) sh.bucket[tid] = bucket_of(__ldcg(a.topk_ids + tid), E);
   __syncthreads();
   int32_t tiles = 0;  // of expert tid (E <= kThreads: thread e < E has bucket e; thread 0 also has bucket E = 512)
   for (int e = tid; e <= E; e += kThreads) {
     int32_t below = 0, in = 0;
+#pragma unroll 4
     for (int j = 0; j < n; ++j) {
       const int32_t b = sh.bucket[j];
       below += b < e ? 1 : 0;
@@ -113,14 +117,14 @@ __device__ __forceinline__ void permute_small_block(const PermuteArgs& a, SmallS
     a.tile_expert[first_tile + q] = tid;
     a.tile_row_start[first_tile + q] = sh.first[tid] + q * a.tile_rows;
   }
-  if (tid < kSmallEntries) {  // warp 0, every lane: match_any needs the whole warp
+  if (tid < n) {
     const int32_t b = sh.bucket[tid];
-    const unsigned same = __match_any_sync(kFull, b);
-    if (tid < n) {
-      const int32_t row = sh.first[b] + __popc(same & ((1u << tid) - 1u));
-      a.row_to_entry[row] = tid;
-      a.entry_to_row[tid] = row;
-    }
+    int32_t rank = 0;  // entries before this one in its bucket
+#pragma unroll 4
+    for (int j = 0; j < tid; ++j) rank += sh.bucket[j] == b ? 1 : 0;
+    const int32_t row = sh.first[b] + rank;
+    a.row_to_entry[row] = tid;
+    a.entry_to_row[tid] = row;
   }
 }
 

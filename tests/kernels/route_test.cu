@@ -436,7 +436,7 @@ TEST(RouteKernel, TokenCounts) {
   }
 }
 
-// Every shape that launch_route_permute takes (T * k <= 32; DeepSeekV3 at T = 1): run_case checks the
+// Every shape that launch_route_permute takes (T * k <= 128, T <= 32; DeepSeekV3 at T = 1): run_case checks the
 // one-launch routing and permutation against the two launches, bit for bit.
 TEST(RouteKernel, RoutePermuteOneLaunch) {
   FP4MOE_REQUIRE_SM90();
@@ -446,8 +446,8 @@ TEST(RouteKernel, RoutePermuteOneLaunch) {
     for (int E : kExperts)
       for (int k : kTopK) {
         if (k > E) continue;
-        for (int T : {1, 2, 3, 4, 17, 32}) {
-          if (T * k > 32) continue;
+        for (int T : {1, 2, 3, 4, 16, 17, 32}) {
+          if (T * k > 128) continue;
           RouteCase c;
           c.params = params_of(m, k);
           c.E = E;
@@ -480,10 +480,11 @@ TEST(RouteKernel, RoutePermuteOneLaunch) {
 }
 
 TEST(RouteKernel, RoutePermuteRejectsWhatDoesNotFit) {
-  EXPECT_TRUE(kernels::route_permute_fits(params_of(RoutingMethod::Renormalize, 8), 4));
-  EXPECT_FALSE(kernels::route_permute_fits(params_of(RoutingMethod::Renormalize, 8), 5));   // 40 entries
+  EXPECT_TRUE(kernels::route_permute_fits(params_of(RoutingMethod::Renormalize, 8), 16));
+  EXPECT_FALSE(kernels::route_permute_fits(params_of(RoutingMethod::Renormalize, 8), 17));   // 136 entries
   EXPECT_TRUE(kernels::route_permute_fits(params_of(RoutingMethod::Llama4, 1), 32));
-  EXPECT_FALSE(kernels::route_permute_fits(params_of(RoutingMethod::Llama4, 1), 33));
+  EXPECT_FALSE(kernels::route_permute_fits(params_of(RoutingMethod::Llama4, 1), 33));   // 3 tokens per warp
+  EXPECT_FALSE(kernels::route_permute_fits(params_of(RoutingMethod::Llama4, 1), 128));
   EXPECT_TRUE(kernels::route_permute_fits(params_of(RoutingMethod::DeepSeekV3, 8, 8, 4), 1));
   EXPECT_FALSE(kernels::route_permute_fits(params_of(RoutingMethod::DeepSeekV3, 8, 8, 4), 2));  // a block per token
   EXPECT_FALSE(kernels::route_permute_fits(params_of(RoutingMethod::Renormalize, 8), 0));
@@ -492,20 +493,20 @@ TEST(RouteKernel, RoutePermuteRejectsWhatDoesNotFit) {
   const float logits = 0.0f;
   kernels::RouteArgs r;
   r.logits = &logits;
-  r.num_tokens = 5;
+  r.num_tokens = 17;
   r.num_experts = 128;
   r.params = params_of(RoutingMethod::Renormalize, 8);
   r.topk_ids = ids;
   r.topk_weights = reinterpret_cast<float*>(out);
   kernels::PermuteArgs pa;
   pa.topk_ids = ids;
-  pa.num_tokens = 5;
+  pa.num_tokens = 17;
   pa.top_k = 8;
   pa.num_experts = 128;
   pa.tile_rows = 16;
   pa.expert_offsets = pa.row_to_entry = pa.entry_to_row = pa.tile_expert = pa.tile_row_start = pa.num_tiles = out;
-  EXPECT_EQ(kernels::launch_route_permute(r, pa, nullptr), cudaErrorInvalidValue);  // 40 entries
-  r.num_tokens = pa.num_tokens = 4;
+  EXPECT_EQ(kernels::launch_route_permute(r, pa, nullptr), cudaErrorInvalidValue);  // 136 entries
+  r.num_tokens = pa.num_tokens = 16;
   pa.topk_ids = out;  // not the route's ids
   EXPECT_EQ(kernels::launch_route_permute(r, pa, nullptr), cudaErrorInvalidValue);
   pa.topk_ids = ids;
