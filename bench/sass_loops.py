@@ -32,24 +32,12 @@ NVD_LABEL = re.compile(r"^(\.L_x_\d+):\s*$")
 
 
 def parse(sass_text):
-    """{kernel name: [(address, opcode, operands)]} from cuobjdump --dump-sass output."""
-    kernels, current = {}, None
-    for line in sass_text.splitlines():
-        m = FUNC.match(line)
-        if m:
-            current = kernels.setdefault(m.group(1), [])
-            continue
-        m = INSTR.match(line)
-        if m and current is not None:
-            current.append((int(m.group(1), 16), m.group(2), m.group(3)))
-    return kernels
-
-
-def parse_nvdisasm(sass_text):
-    """The same as parse(), from `nvdisasm -c` output: label operands become 0x addresses."""
+    """{kernel name: [(address, opcode, operands)]} from `cuobjdump --dump-sass` or `nvdisasm -c` output.
+    A kernel starts at cuobjdump's `Function : <name>` or nvdisasm's `.text.<name>:`; nvdisasm's label
+    operands (`.L_x_12`) become the 0x addresses that cuobjdump prints."""
     kernels, current, labels, pending = {}, None, {}, []
     for line in sass_text.splitlines():
-        m = NVD_FUNC.match(line)
+        m = FUNC.match(line) or NVD_FUNC.match(line)
         if m:
             current = kernels.setdefault(m.group(1), [])
             continue
@@ -103,7 +91,7 @@ def main():
         sass = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     except (OSError, subprocess.CalledProcessError) as e:
         sys.exit(f"sass_loops: {' '.join(cmd)} failed: {e}")
-    kernels = {k: v for k, v in (parse_nvdisasm(sass) if a.nvdisasm else parse(sass)).items() if a.kernel in k}
+    kernels = {k: v for k, v in parse(sass).items() if a.kernel in k}
     if not kernels:
         sys.exit(f"sass_loops: no kernel matching '{a.kernel}' in {a.file}")
     for name, instructions in kernels.items():
