@@ -164,15 +164,14 @@ __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
 }
 // After the initialising thread's mbar_init calls: the barriers are visible to the async proxy (TMA).
 __device__ __forceinline__ void mbar_init_fence() { asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
+// NOTE: the retry loop lives inside the asm block (labels are local to its braces): the C++ loop around
+// a try_wait made ptxas wrap every wait in BSSY/BSYNC with a YIELD, ~4 of the ~21 loop-control
+// instructions per chunk of the streaming GEMM (SASS).
 __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  uint32_t done = 0;
-  do {
-    asm volatile(
-        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done)
-        : "r"(bar), "r"(parity)
-        : "memory");
-  } while (!done);
+  asm volatile(
+      "{\n.reg .pred p;\nWAIT_%=:\nmbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n@!p bra WAIT_%=;\n}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
 }
 __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
@@ -648,16 +647,17 @@ __device__ __forceinline__ void gemm1_items(const Params& p, const float* stg, i
 }
 
 // The GEMM1 epilogue of a CTA whose staged tile holds output columns [i0, i0 + cols_cta) of the tile's
-// valid_rows token rows (from row_start): the valid columns, (w4a4) the expert's re-quantization scale,
-// then Loop::run<K> with the activation kind as a template parameter. Loop spreads the arithmetic over
-// the CTA's threads: Gemm1Items (below, the wgmma kernel) or sm90stream::Gemm1Pairs.
+// valid_rows token rows (from row_start): the valid columns, (w4a4) the re-quantization scale from
+// act_scale (p.act_scale[expert], read by the caller), then Loop::run<K> with the activation kind as a
+// template parameter. Loop spreads the arithmetic over the CTA's threads: Gemm1Items (below, the wgmma
+// kernel) or sm90stream::Gemm1Pairs.
 template <class Loop>
-__device__ __forceinline__ void gemm1_epilogue(const Params& p, const float* stg, int expert, int i0, int cols_cta,
-                                               int64_t row_start, int valid_rows) {
+__device__ __forceinline__ void gemm1_epilogue(const Params& p, const float* stg, int i0, int cols_cta,
+                                               int64_t row_start, int valid_rows, float act_scale) {
   const int cols = min(cols_cta, p.out_cols - i0);
   float gs = 0.0f, inv_gs = 0.0f;
   if (p.quantize) {
-    gs = nvfp4::global_inv_scale(p.act_scale[expert]);
+    gs = nvfp4::global_inv_scale(act_scale);
     inv_gs = __fdiv_rn(1.0f, gs);
   }
   const int64_t out_base = row_start * static_cast<int64_t>(p.out_cols) + i0;
@@ -832,7 +832,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   const int cols_cta = gated ? kBlockN / 2 : kBlockN;
   using Items = Gemm1Items<kStagingStride, kBlockN / 2, kConsumerThreads>;
-  gemm1_epilogue<Items>(p, stg, expert, ntile * cols_cta, cols_cta, row_start, valid_rows);
+  gemm1_epilogue<Items>(p, stg, ntile * cols_cta, cols_cta, row_start, valid_rows,
+                        p.quantize ? p.act_scale[expert] : 0.0f);
 }
 #endif  // !FP4MOE_SM90GEMM_HELPERS_ONLY
 

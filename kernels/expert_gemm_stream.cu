@@ -8,8 +8,8 @@
 //   3. Grid (1-D): max_tiles tiles x split_k x CTAs along N (128 weight rows; gated GEMM1: 64
 //      intermediate columns), 256 threads, StreamTile<>::kSmemBytes of dynamic shared memory (opted in
 //      once per device by configure_expert_gemm_stream); CTAs past *num_tiles leave.
-//   4. Four instantiations: GEMM1 (gated or relu2, bf16 or NVFP4 output, at run time) and GEMM2, for
-//      each tile size.
+//   4. Six instantiations: the gated GEMM1, the plain (relu2) GEMM1 (either with bf16 or NVFP4 output,
+//      at run time) and GEMM2, for each tile size.
 // Workspace (split_k > 1): [counters: outs int32, padded to 256 B][partials: outs * split_k * 8 / 16
 // KiB], outs = max_tiles * ceil(N / 128).
 #define FP4MOE_SM90GEMM_HELPERS_ONLY 1  // the wgmma kernel itself is defined in expert_gemm.cu
@@ -58,9 +58,10 @@ int64_t partial_floats(int tile_rows) {
   return tile_rows == 32 ? ss::StreamTile<32>::kPartialFloats : ss::StreamTile<16>::kPartialFloats;
 }
 
-// The one place where a streaming tactic's tile size becomes a kernel instantiation.
-template <bool kGemm2>
-cudaError_t launch(ss::StreamParams sp, int tile_rows, cudaStream_t stream) {
+// The one place where a streaming tactic's tile size and the GEMM's op (sp.base.epilogue) become a
+// kernel instantiation.
+template <sm90gemm::Epilogue kOp>
+cudaError_t launch_op(ss::StreamParams sp, int tile_rows, cudaStream_t stream) {
   if (sp.base.max_tiles == 0) return cudaSuccess;
   const int64_t n_ctas = n_ctas_of(sp.base.N);
   const int64_t ctas = static_cast<int64_t>(sp.base.max_tiles) * sp.split_k * n_ctas;
@@ -72,10 +73,20 @@ cudaError_t launch(ss::StreamParams sp, int tile_rows, cudaStream_t stream) {
     return e;
   const dim3 grid(static_cast<unsigned>(ctas)), block(ss::kThreads);
   if (tile_rows == 32)
-    return launch_dependent(ss::expert_gemm_stream_kernel<kGemm2, 32>, grid, block, ss::StreamTile<32>::kSmemBytes,
+    return launch_dependent(ss::expert_gemm_stream_kernel<kOp, 32>, grid, block, ss::StreamTile<32>::kSmemBytes,
                             stream, sp, maps);
-  return launch_dependent(ss::expert_gemm_stream_kernel<kGemm2, 16>, grid, block, ss::StreamTile<16>::kSmemBytes,
+  return launch_dependent(ss::expert_gemm_stream_kernel<kOp, 16>, grid, block, ss::StreamTile<16>::kSmemBytes,
                           stream, sp, maps);
+}
+
+cudaError_t launch(const ss::StreamParams& sp, int tile_rows, cudaStream_t stream) {
+  using sm90gemm::Epilogue;
+  switch (sp.base.epilogue) {
+    case Epilogue::Gemm1Gated: return launch_op<Epilogue::Gemm1Gated>(sp, tile_rows, stream);
+    case Epilogue::Gemm1Plain: return launch_op<Epilogue::Gemm1Plain>(sp, tile_rows, stream);
+    case Epilogue::Gemm2: return launch_op<Epilogue::Gemm2>(sp, tile_rows, stream);
+  }
+  return cudaErrorInvalidValue;
 }
 
 }  // namespace
@@ -87,10 +98,14 @@ cudaError_t configure_expert_gemm_stream() {
     const auto opt_in = [](auto kernel, int bytes) {
       return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
     };
-    for (cudaError_t e : {opt_in(ss::expert_gemm_stream_kernel<false, 16>, ss::StreamTile<16>::kSmemBytes),
-                          opt_in(ss::expert_gemm_stream_kernel<true, 16>, ss::StreamTile<16>::kSmemBytes),
-                          opt_in(ss::expert_gemm_stream_kernel<false, 32>, ss::StreamTile<32>::kSmemBytes),
-                          opt_in(ss::expert_gemm_stream_kernel<true, 32>, ss::StreamTile<32>::kSmemBytes)})
+    using sm90gemm::Epilogue;
+    constexpr int k16 = ss::StreamTile<16>::kSmemBytes, k32 = ss::StreamTile<32>::kSmemBytes;
+    for (cudaError_t e : {opt_in(ss::expert_gemm_stream_kernel<Epilogue::Gemm1Gated, 16>, k16),
+                          opt_in(ss::expert_gemm_stream_kernel<Epilogue::Gemm1Plain, 16>, k16),
+                          opt_in(ss::expert_gemm_stream_kernel<Epilogue::Gemm2, 16>, k16),
+                          opt_in(ss::expert_gemm_stream_kernel<Epilogue::Gemm1Gated, 32>, k32),
+                          opt_in(ss::expert_gemm_stream_kernel<Epilogue::Gemm1Plain, 32>, k32),
+                          opt_in(ss::expert_gemm_stream_kernel<Epilogue::Gemm2, 32>, k32)})
       if (e != cudaSuccess) return e;
     return cudaSuccess;
   });
@@ -114,7 +129,7 @@ cudaError_t launch_gemm1_act_stream(const Gemm1Args& args, int tile_rows, int sp
   if (!gemm_stream_tile_supported(tile_rows) || !gemm_detail::gemm1_params(args, sp.base) ||
       !split_valid(args, split_k, sp) || !early_valid(args, sp))
     return cudaErrorInvalidValue;
-  return launch<false>(sp, tile_rows, stream);
+  return launch(sp, tile_rows, stream);
 }
 
 cudaError_t launch_gemm2_stream(const Gemm2Args& args, int tile_rows, int split_k, cudaStream_t stream) {
@@ -122,7 +137,7 @@ cudaError_t launch_gemm2_stream(const Gemm2Args& args, int tile_rows, int split_
   if (!gemm_stream_tile_supported(tile_rows) || !gemm_detail::gemm2_params(args, sp.base) ||
       !split_valid(args, split_k, sp) || !early_valid(args, sp))
     return cudaErrorInvalidValue;
-  return launch<true>(sp, tile_rows, stream);
+  return launch(sp, tile_rows, stream);
 }
 
 }  // namespace fp4moe::kernels

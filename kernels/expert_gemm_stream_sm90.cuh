@@ -239,10 +239,12 @@ __device__ __forceinline__ void zero_idle_act_row(uint32_t smem_base, int warp, 
     for (int i = 0; i < C::kLaneCopies; ++i) sm90gemm::sts128_zero(dst + s * C::kStageBytes + i * 16);
 }
 
-// Chunks [c0, c1) of this CTA's split. wvalid: the warp's rows lie inside N (warp-uniform; otherwise
-// it computes no weights but still waits and arrives on the barriers). slot_a / slot_b: the warp's
-// slots (rows g / g+8 of its m16 tile). weights_issued: the weight copies of chunks [c0, c0 + kPrefetch)
-// (those below c1) were issued into stages 0.. before the loop (issue_weight_copies, the early start).
+// Chunks [c0, c1) of this CTA's split. slot_a / slot_b: the warp's slots (rows g / g+8 of its m16
+// tile). weights_issued: the weight copies of chunks [c0, c0 + kPrefetch) (those below c1) were issued
+// into stages 0.. before the loop (issue_weight_copies, the early start). A warp whose rows lie past N
+// decodes the zeros that the bulk copies fill in there; its results are never stored.
+// NOTE: no branch around that decode: the warp-uniform `if` cost a branch and a WARPSYNC per chunk in
+// every warp (SASS) to spare the last N tile's idle warps some work.
 //
 // Per chunk kc (iteration order):
 //   a. refill (the warps of fill group kn % kFillGroups only): chunk kn = kc + kPrefetch (if < c1) into
@@ -259,7 +261,7 @@ __device__ __forceinline__ void zero_idle_act_row(uint32_t smem_base, int warp, 
 // done with chunk m - kStages; the slowest warp (at iteration i) waits only for chunk i, whose filler
 // is at an iteration >= i > i - kPrefetch, and every warp is past chunk i - kStages + kPrefetch.
 template <class C, int NT>
-__device__ __forceinline__ void mainloop(const Params& p, uint32_t smem_base, const StageSource& src, const bool wvalid,
+__device__ __forceinline__ void mainloop(const Params& p, uint32_t smem_base, const StageSource& src,
                                          int slot_a, int slot_b, int c0, int c1, bool weights_issued,
                                          float (&acc)[C::kHalves][4]) {
   static_assert(NT <= C::kTileRows, "mma width past the tile");
@@ -274,9 +276,9 @@ __device__ __forceinline__ void mainloop(const Params& p, uint32_t smem_base, co
   uint32_t sb_addr = smem_base + kSlotWeightBytes + slot_b * fp4layout::kChunkScaleBytes + g * 8;
   // NOTE: the loop invariants pass through an empty asm so that ptxas keeps them in registers: under
   // the 64-register cap it otherwise rebuilt the lane addresses, the chunk bound (from the kernel
-  // parameters) and wvalid in every chunk, ~25 of the ~196 instructions of a non-filling warp (SASS).
-  int last = c1, valid = wvalid ? 1 : 0;
-  asm volatile("" : "+r"(wa_addr), "+r"(wb_addr), "+r"(sa_addr), "+r"(sb_addr), "+r"(last), "+r"(valid));
+  // parameters) in every chunk, ~25 of the ~196 instructions of a non-filling warp (SASS).
+  int last = c1;
+  asm volatile("" : "+r"(wa_addr), "+r"(wb_addr), "+r"(sa_addr), "+r"(sb_addr), "+r"(last));
   // When this warp fills: lane l copies row 16 (w % kCopyWarps) + l / 2, segments 8 (l % 2) .. + 7.
   const int fill_group = warp / C::kCopyWarps;
   const bool tma_lane = warp % C::kCopyWarps == 0 && lane == 0;
@@ -340,34 +342,32 @@ __device__ __forceinline__ void mainloop(const Params& p, uint32_t smem_base, co
         else refill(kc + kPrefetch, j, false, pass_parity, false);
       }
       sm90gemm::mbar_wait(full_bar + d * 8, pass_parity);
-      if (valid) {  // warp-uniform: rows past N
-        const uint32_t off = d * kStageBytes;
-        const uint4 wa = sm90gemm::lds128(wa_addr + off);
-        const uint4 wb = sm90gemm::lds128(wb_addr + off);
-        const uint2 sa = sm90gemm::lds64(sa_addr + off);
-        const uint2 sb = sm90gemm::lds64(sb_addr + off);
-        const uint32_t stage = ldsm_base + off;
+      const uint32_t off = d * kStageBytes;
+      const uint4 wa = sm90gemm::lds128(wa_addr + off);
+      const uint4 wb = sm90gemm::lds128(wb_addr + off);
+      const uint2 sa = sm90gemm::lds64(sa_addr + off);
+      const uint2 sb = sm90gemm::lds64(sb_addr + off);
+      const uint32_t stage = ldsm_base + off;
 #pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          uint32_t f[2][4];  // k16 steps 2q, 2q+1
-          sm90gemm::decode_fragments(wa, wb, sa, sb, q, f[0], f[1]);
+      for (int q = 0; q < 4; ++q) {
+        uint32_t f[2][4];  // k16 steps 2q, 2q+1
+        sm90gemm::decode_fragments(wa, wb, sa, sb, q, f[0], f[1]);
 #pragma unroll
-          for (int st = 0; st < 2; ++st) {
-            const int s = 2 * q + st;  // k16 step of the chunk: 16-byte segments 2s, 2s+1
-            const uint32_t addr = stage + s * 32;  // segment 2s (+ hi in the lane's base)
-            if constexpr (NT >= 16) {
+        for (int st = 0; st < 2; ++st) {
+          const int s = 2 * q + st;  // k16 step of the chunk: 16-byte segments 2s, 2s+1
+          const uint32_t addr = stage + s * 32;  // segment 2s (+ hi in the lane's base)
+          if constexpr (NT >= 16) {
 #pragma unroll
-              for (int q16 = 0; q16 < NT / 16; ++q16) {  // tokens 16 q16 .. 16 q16 + 15
-                uint32_t b0, b1, b2, b3;
-                ldsm_x4(addr + q16 * 16 * kActRowStride, b0, b1, b2, b3);
-                mma_16816(acc[2 * q16], f[st], b0, b1);
-                mma_16816(acc[2 * q16 + 1], f[st], b2, b3);
-              }
-            } else {
-              uint32_t b0, b1;
-              ldsm_x2(addr, b0, b1);
-              mma_16816(acc[0], f[st], b0, b1);
+            for (int q16 = 0; q16 < NT / 16; ++q16) {  // tokens 16 q16 .. 16 q16 + 15
+              uint32_t b0, b1, b2, b3;
+              ldsm_x4(addr + q16 * 16 * kActRowStride, b0, b1, b2, b3);
+              mma_16816(acc[2 * q16], f[st], b0, b1);
+              mma_16816(acc[2 * q16 + 1], f[st], b2, b3);
             }
+          } else {
+            uint32_t b0, b1;
+            ldsm_x2(addr, b0, b1);
+            mma_16816(acc[0], f[st], b0, b1);
           }
         }
       }
@@ -383,7 +383,7 @@ __device__ __forceinline__ void mainloop(const Params& p, uint32_t smem_base, co
 // ---- GEMM2 with the finalize fused (top_k >= 2) --------------------------------------------------------
 // After this CTA's y stores: each valid row arrives on the counter of (its token, this N tile); the CTA
 // that brings a counter to top_k resets it and finalizes that token over the tile's columns,
-// out = bf16(sum_j w_j * y_j) with slots j in order from 0 (nvfp4::finalize_add_slot8, the finalize
+// out = bf16(sum_j w_j * y_j) with slots j in order from 0 (nvfp4::finalize_token8, the finalize
 // kernel's arithmetic: the same bits). s_token: [kTileRows] shared ints.
 // NOTE (ordering): the CTA barrier orders every y store of the CTA before the arrivals; each arrival
 // is an acq_rel atomic at gpu scope, whose release side publishes those stores (release is cumulative
@@ -418,11 +418,7 @@ __device__ __forceinline__ void gemm2_finalize_tile(const Params& p, int ntile, 
     float acc[8];
 #pragma unroll
     for (int q = 0; q < 8; ++q) acc[q] = 0.0f;
-    for (int j = 0; j < k; ++j) {
-      const int64_t entry = static_cast<int64_t>(token) * k + j;
-      const float w = p.out_weights != nullptr ? p.out_weights[entry] : 1.0f;
-      nvfp4::finalize_add_slot8(acc, w, p.y + entry * p.N + n);
-    }
+    nvfp4::finalize_token8<4>(acc, k, static_cast<int64_t>(token) * k, p.out_weights, nullptr, 0, p.y + n, p.N);
     nvfp4::store_bf16x8(p.out + static_cast<int64_t>(token) * p.N + n, acc);
   }
 }
@@ -483,10 +479,14 @@ struct Gemm1Pairs {
 };
 
 // ---- kernel -------------------------------------------------------------------------------------------
-// kGemm2: GEMM2 epilogue (y or the fused top-1 finalize); otherwise GEMM1 (gated or relu2, at run time).
-template <bool kGemm2, int TileRows>
+// kOp = p.epilogue: GEMM2 (y or the fused top-1 finalize), the gated GEMM1 or the plain (relu2) GEMM1.
+// NOTE: the op is a template parameter so that each kernel holds one kind of weight copy (the gated
+// GEMM1's 5-D boxes, the others' 4-D): with the op at run time, both copy paths sat at every unrolled
+// stage of GEMM1's main loop, 10-12% of its code (nvdisasm), which the SMs fetch.
+template <Epilogue kOp, int TileRows>
 __global__ void __launch_bounds__(kThreads, StreamTile<TileRows>::kCtasPerSm)
     expert_gemm_stream_kernel(const StreamParams sp, const __grid_constant__ StreamMaps maps) {
+  constexpr bool kGemm2 = kOp == Epilogue::Gemm2;
   using C = StreamTile<TileRows>;
   constexpr int kTileRows = C::kTileRows, kHalves = C::kHalves, kStgStride = C::kStgStride;
   constexpr int kPartialFloats = C::kPartialFloats;
@@ -511,7 +511,12 @@ __global__ void __launch_bounds__(kThreads, StreamTile<TileRows>::kCtasPerSm)
   // NOTE: the tile table is read through L2 (__ldcg) in both modes: the early start reads it before the
   // wait (written >= 2 launches earlier, never a stale L1 line); after the wait, L2 costs one load per
   // CTA at most what a plain load costs, and one form serves both.
+  // NOTE: the tile's table entries are loaded with *num_tiles, not after the check: one L2 round trip
+  // fewer before the first weight copy (tile < max_tiles: inside the table; past *num_tiles an entry
+  // may be stale, and is not used).
   const int num_tiles = __ldcg(p.num_tiles);
+  const int expert = __ldcg(p.tile_expert + tile);
+  const int64_t tile_row0 = __ldcg(p.tile_row_start + tile);
   if (tile >= num_tiles) {  // the whole CTA leaves before any ring barrier
     // NOTE: every CTA waits before it ends, so the grid's completion still implies its predecessors'.
     if (issue_early) dependent_wait();
@@ -529,11 +534,17 @@ __global__ void __launch_bounds__(kThreads, StreamTile<TileRows>::kCtasPerSm)
     sm90gemm::tma_prefetch(&maps.w);
     sm90gemm::tma_prefetch(&maps.scale);
   }
-  const int expert = __ldcg(p.tile_expert + tile);
-  const int64_t tile_row0 = __ldcg(p.tile_row_start + tile);
   const int valid_rows =
       static_cast<int>(min(static_cast<int64_t>(kTileRows), __ldcg(p.expert_offsets + expert + 1) - tile_row0));
-  const bool gated = !kGemm2 && p.epilogue == Epilogue::Gemm1Gated;
+  // NOTE: the epilogue's per-expert scalars are read here and kept in shared memory (published by the
+  // barrier before the main loop): read after the main loop, each cost an L2 round trip at the end of
+  // every CTA (SASS), on the critical path when the grid is one wave.
+  __shared__ float s_alpha, s_act_scale;
+  if (tid == 0) {
+    s_alpha = p.alpha[expert];
+    s_act_scale = !kGemm2 && p.quantize ? p.act_scale[expert] : 0.0f;
+  }
+  constexpr bool gated = kOp == Epilogue::Gemm1Gated;
   StageSource src{&maps.w, &maps.scale, gated ? ntile * (kGroupsPerCta / 2) : ntile * kGroupsPerCta, expert, gated,
                   p.a, false};
   {
@@ -548,13 +559,10 @@ __global__ void __launch_bounds__(kThreads, StreamTile<TileRows>::kCtasPerSm)
   }
 
   int slot_a, slot_b;  // the warp's slots (rows g and g+8 of its m16 tile)
-  bool wvalid;
   if (gated) {
-    wvalid = ntile * (kGroupsPerCta / 2) + warp < p.groups / 2;
     slot_a = warp;
     slot_b = kGroupsPerCta / 2 + warp;
   } else {
-    wvalid = ntile * kGroupsPerCta + 2 * warp < p.groups;  // groups is even (N % 16 == 0)
     slot_a = 2 * warp;
     slot_b = 2 * warp + 1;
   }
@@ -578,10 +586,10 @@ __global__ void __launch_bounds__(kThreads, StreamTile<TileRows>::kCtasPerSm)
   for (int h = 0; h < kHalves; ++h)
 #pragma unroll
     for (int r = 0; r < 4; ++r) acc[h][r] = 0.0f;
-  if (valid_rows <= 8) mainloop<C, 8>(p, smem_base, src, wvalid, slot_a, slot_b, c0, c1, issue_early, acc);
+  if (valid_rows <= 8) mainloop<C, 8>(p, smem_base, src, slot_a, slot_b, c0, c1, issue_early, acc);
   else if (kTileRows == 16 || valid_rows <= 16)
-    mainloop<C, 16>(p, smem_base, src, wvalid, slot_a, slot_b, c0, c1, issue_early, acc);
-  else mainloop<C, kTileRows>(p, smem_base, src, wvalid, slot_a, slot_b, c0, c1, issue_early, acc);
+    mainloop<C, 16>(p, smem_base, src, slot_a, slot_b, c0, c1, issue_early, acc);
+  else mainloop<C, kTileRows>(p, smem_base, src, slot_a, slot_b, c0, c1, issue_early, acc);
   // NOTE: the epilogue reloads the tile's row start (L1/L2 hit) rather than keeping it live across the
   // main loop.
   const int64_t row_start = p.tile_row_start[tile];
@@ -621,9 +629,27 @@ __global__ void __launch_bounds__(kThreads, StreamTile<TileRows>::kCtasPerSm)
     }
   }
 
-  const float alpha = p.alpha[expert];
+  const float alpha = s_alpha;
   if constexpr (kGemm2) {
     const int n_g = ntile * kRowsPerCta + 16 * warp + g;  // row g of the warp's m16 tile
+    const bool top1 = p.out != nullptr && p.fin_counters == nullptr;  // top-1: finalize's arithmetic, 0 + w * y, bf16
+    // NOTE (loads first): the thread's 2 * kHalves token rows' entries (and top-1 weights) are loaded
+    // before the first store; loaded per store, each waited for the previous store (SASS: the
+    // compiler does not move a load above a store that may alias it).
+    int64_t entry[kHalves][2];
+    float w[kHalves][2];
+#pragma unroll
+    for (int h = 0; h < kHalves; ++h)
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const int tok = 8 * h + 2 * t + c;
+        entry[h][c] = tok < valid_rows ? p.row_to_entry[row_start + tok] : 0;
+      }
+#pragma unroll
+    for (int h = 0; h < kHalves; ++h)
+#pragma unroll
+      for (int c = 0; c < 2; ++c)
+        w[h][c] = top1 && p.out_weights != nullptr && 8 * h + 2 * t + c < valid_rows ? p.out_weights[entry[h][c]] : 1.0f;
 #pragma unroll
     for (int h = 0; h < kHalves; ++h)
 #pragma unroll
@@ -631,14 +657,10 @@ __global__ void __launch_bounds__(kThreads, StreamTile<TileRows>::kCtasPerSm)
         const int n = n_g + (r >= 2 ? 8 : 0);
         const int tok = 8 * h + 2 * t + (r & 1);
         if (tok < valid_rows && n < p.N) {
-          const int64_t entry = p.row_to_entry[row_start + tok];
+          const int64_t e = entry[h][r & 1];
           const float y = sm90gemm::epilogue_scale(alpha, acc[h][r]);
-          if (p.out != nullptr && p.fin_counters == nullptr) {  // top-1: finalize's arithmetic, 0 + w * y, bf16
-            const float w = p.out_weights != nullptr ? p.out_weights[entry] : 1.0f;
-            p.out[entry * p.N + n] = __float2bfloat16_rn(__fadd_rn(0.0f, __fmul_rn(w, y)));
-          } else {
-            p.y[entry * p.N + n] = y;
-          }
+          if (top1) p.out[e * p.N + n] = __float2bfloat16_rn(__fadd_rn(0.0f, __fmul_rn(w[h][r & 1], y)));
+          else p.y[e * p.N + n] = y;
         }
       }
     if (p.fin_counters != nullptr) {
@@ -662,7 +684,8 @@ __global__ void __launch_bounds__(kThreads, StreamTile<TileRows>::kCtasPerSm)
     }
     __syncthreads();
     const int cols_cta = gated ? kRowsPerCta / 2 : kRowsPerCta;
-    sm90gemm::gemm1_epilogue<Gemm1Pairs<kStgStride>>(p, stg, expert, ntile * cols_cta, cols_cta, row_start, valid_rows);
+    sm90gemm::gemm1_epilogue<Gemm1Pairs<kStgStride>>(p, stg, ntile * cols_cta, cols_cta, row_start, valid_rows,
+                                                     s_act_scale);
   }
 }
 

@@ -1,10 +1,11 @@
 // kernels/finalize.cu — out[t] = bf16(sum_j w[t,j] * y[t*k+j]) (DESIGN.md §1 step 6).
 //
-// One thread per 8 consecutive columns of one token: for each slot j in order it loads 8 fp32 of
-// y[t*k+j] (two 16-byte loads) and accumulates acc = acc + w * y with separately rounded fp32
-// operations (__fmul_rn / __fadd_rn: never contracted into an FMA), starting from acc = 0 like the CPU
-// reference; then one 16-byte store of 8 bf16 (RNE). No atomics: deterministic. The per-slot step and
-// the store are nvfp4::finalize_add_slot8 / store_bf16x8, which GEMM2's fused finalize uses too.
+// One thread per 8 consecutive columns of one token: for each slot j in order it accumulates 8 fp32
+// of y[t*k+j] as acc = acc + w * y with separately rounded fp32 operations (__fmul_rn / __fadd_rn:
+// never contracted into an FMA), starting from acc = 0 like the CPU reference, the loads of up to 8
+// slots issued before the first add; then one 16-byte store of 8 bf16 (RNE). No atomics:
+// deterministic. The slots and the store are nvfp4::finalize_token8 / store_bf16x8, which GEMM2's
+// fused finalize uses too.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -18,7 +19,7 @@ namespace fp4moe::kernels {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kCols = 8;  // columns per thread (nvfp4::finalize_add_slot8)
+constexpr int kCols = 8;  // columns per thread (nvfp4::finalize_token8)
 
 __global__ void __launch_bounds__(kThreads) finalize_kernel(const FinalizeArgs a) {
   dependent_launch_prologue();
@@ -30,21 +31,10 @@ __global__ void __launch_bounds__(kThreads) finalize_kernel(const FinalizeArgs a
   float acc[kCols];
 #pragma unroll
   for (int q = 0; q < kCols; ++q) acc[q] = 0.0f;
-  for (int j = 0; j < k; ++j) {
-    const int64_t entry = t * k + j;
-    float w = a.unit_weights ? 1.0f : a.topk_weights[entry];
-    if (a.topk_ids != nullptr) {
-      // NOTE: an out-of-range precomputed id has no GEMM row, so y[entry] was never written: the
-      // token's row becomes NaN (bad input poisons its own token only) instead of reading garbage.
-      const int32_t e = a.topk_ids[entry];
-      if (e < 0 || e >= a.num_experts) {
-#pragma unroll
-        for (int q = 0; q < kCols; ++q) acc[q] = __int_as_float(0x7fc00000);
-        continue;
-      }
-    }
-    nvfp4::finalize_add_slot8(acc, w, a.y + entry * H + c);
-  }
+  // NOTE: an out-of-range precomputed id has no GEMM row, so y[entry] was never written: the token's
+  // row becomes NaN (bad input poisons its own token only) instead of reading garbage.
+  nvfp4::finalize_token8<8>(acc, k, t * k, a.unit_weights ? nullptr : a.topk_weights, a.topk_ids, a.num_experts,
+                         a.y + c, H);
   nvfp4::store_bf16x8(a.out + t * H + c, acc);
 }
 

@@ -195,12 +195,58 @@ __device__ __forceinline__ void store_bf16x16(__nv_bfloat16* dst, const float (&
 // Shared by the finalize kernel and GEMM2's fused finalize, so both give the same bits.
 // acc[q] = acc[q] + w * y[q]: separately rounded (never contracted into an FMA). y is read through L2
 // (__ldcg): in the fused finalize other CTAs of the same launch wrote it, so no stale L1 line is used.
-__device__ __forceinline__ void finalize_add_slot8(float (&acc)[8], float w, const float* y) {
+struct Slot8 {
+  float4 lo, hi;  // columns 0-3, 4-7
+};
+__device__ __forceinline__ Slot8 finalize_load_slot8(const float* y) {
   const float4* src = reinterpret_cast<const float4*>(y);
-  const float4 y0 = __ldcg(src), y1 = __ldcg(src + 1);
-  const float v[8] = {y0.x, y0.y, y0.z, y0.w, y1.x, y1.y, y1.z, y1.w};
+  return Slot8{__ldcg(src), __ldcg(src + 1)};
+}
+__device__ __forceinline__ void finalize_add_slot8(float (&acc)[8], float w, const Slot8& y) {
+  const float v[8] = {y.lo.x, y.lo.y, y.lo.z, y.lo.w, y.hi.x, y.hi.y, y.hi.z, y.hi.w};
 #pragma unroll
   for (int q = 0; q < 8; ++q) acc[q] = __fadd_rn(acc[q], __fmul_rn(w, v[q]));
+}
+
+// The k slots of one token over 8 columns: acc = acc + w_j * y[entry0 + j] for j = 0..k-1 in order
+// (finalize_add_slot8). y points at the first column in row 0; row r starts y_row_stride floats later.
+// weights == nullptr: unit weights. ids != nullptr: a slot whose id lies outside [0, num_experts) has
+// no GEMM row (its y was never written, and is not read): acc becomes NaN there.
+// NOTE (loads first): the weights and y of up to kInFlight slots are loaded before the first add; with
+// a load and its use per slot, a thread waited for k L2 round trips in a row (SASS: each slot's loads
+// issued after the previous slot's adds), the whole time of a decode finalize. kInFlight x 8 registers
+// hold the loaded y: fewer where the caller's register budget is tight (GEMM2's fused finalize).
+template <int kInFlight>
+__device__ __forceinline__ void finalize_token8(float (&acc)[8], int k, int64_t entry0, const float* weights,
+                                                const int32_t* ids, int num_experts, const float* y,
+                                                int64_t y_row_stride) {
+  for (int j0 = 0; j0 < k; j0 += kInFlight) {
+    float w[kInFlight];
+    bool bad[kInFlight];
+    Slot8 v[kInFlight];
+#pragma unroll
+    for (int s = 0; s < kInFlight; ++s) {
+      if (j0 + s >= k) break;
+      const int64_t entry = entry0 + j0 + s;
+      w[s] = weights != nullptr ? weights[entry] : 1.0f;
+      bad[s] = false;
+      if (ids != nullptr) {
+        const int32_t e = ids[entry];
+        bad[s] = e < 0 || e >= num_experts;
+      }
+      if (!bad[s]) v[s] = finalize_load_slot8(y + entry * y_row_stride);
+    }
+#pragma unroll
+    for (int s = 0; s < kInFlight; ++s) {
+      if (j0 + s >= k) break;
+      if (bad[s]) {
+#pragma unroll
+        for (int q = 0; q < 8; ++q) acc[q] = __int_as_float(0x7fc00000);
+      } else {
+        finalize_add_slot8(acc, w[s], v[s]);
+      }
+    }
+  }
 }
 // 8 floats -> 8 bf16 (RNE), one 16-byte store.
 __device__ __forceinline__ void store_bf16x8(__nv_bfloat16* dst, const float (&v)[8]) {

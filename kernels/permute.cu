@@ -2,10 +2,11 @@
 // device without host synchronisation, plus the GEMM row-tile table.
 //
 // Entries are cut into chunks of kChunk; a block of 16 warps handles one chunk, warp w the w-th run of
-// 256 consecutive entries, 32 at a time. Ids outside [0, E) go to an extra bucket E placed after all
+// consecutive entries (256 in a full chunk; in the one-chunk kernel, the fewest multiple of 32 that
+// covers the entries with 16 warps), 32 at a time. Ids outside [0, E) go to an extra bucket E placed after all
 // experts: expert_offsets[E] counts the valid entries only, and those rows belong to no expert (the
 // GEMMs skip them), but row_to_entry / entry_to_row stay full permutations.
-//   at most 128 entries (decode), one launch: permute_small_kernel (no histograms, see
+//   at most 256 entries (decode), one launch: permute_small_kernel (no histograms, see
 //   kernels/permute_block.cuh); the route launch may run the same block instead (launch_route_permute).
 //   one chunk (T*k <= kChunk), one launch: permute_fused_kernel does every step below in one block.
 //   Either way, the one-block kernel (small, fused or scan) also clears PermuteArgs::zero_words.
@@ -47,19 +48,40 @@ struct PermuteShared {
   int32_t warp_sums[kWarps];
 };
 
-// Phase A: hist[w][b] = number of entries of warp w's run in bucket b. hist must be zeroed.
-__device__ void count_runs(const int32_t* ids, int64_t chunk_begin, int64_t chunk_end, int num_experts,
-                           PermuteShared& sh) {
+// Warp w's run: `steps` x 32 consecutive entries from chunk_begin + w * steps * 32 (steps <= kStepsPerWarp;
+// the runs of the warps follow each other, so warp order is entry order). Its entries' buckets are
+// loaded once, all before the first use (-1 past the chunk's end).
+// NOTE (all loads first, runs over every warp): with 256-entry runs and one load per step between
+// match_any rounds, a 512-entry permutation kept 2 of 16 warps busy for 8 dependent L2 round trips,
+// twice (count, scatter): the ~11 us permute stage at 256..1024 entries (docs/perf.md, fifteenth session).
+struct RunBuckets {
+  int b[kStepsPerWarp];
+  int64_t first;  // entry of step 0, lane 0
+  int steps;
+};
+__device__ __forceinline__ RunBuckets load_run(const int32_t* ids, int64_t chunk_begin, int64_t chunk_end, int steps,
+                                               int num_experts) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int64_t run = chunk_begin + static_cast<int64_t>(warp) * kStepsPerWarp * 32;
-  for (int step = 0; step < kStepsPerWarp; ++step) {
-    const int64_t first = run + step * 32;
-    if (first >= chunk_end) break;  // warp-uniform
-    const int64_t entry = first + lane;
-    const bool valid = entry < chunk_end;
-    const int b = valid ? bucket_of(ids[entry], num_experts) : -1;
+  RunBuckets r;
+  r.first = chunk_begin + static_cast<int64_t>(warp) * steps * 32;
+  r.steps = steps;
+#pragma unroll
+  for (int s = 0; s < kStepsPerWarp; ++s) {
+    const int64_t entry = r.first + s * 32 + lane;
+    r.b[s] = (s < steps && entry < chunk_end) ? bucket_of(ids[entry], num_experts) : -1;
+  }
+  return r;
+}
+
+// Phase A: hist[w][b] = number of entries of warp w's run in bucket b. hist must be zeroed.
+__device__ void count_runs(const RunBuckets& r, PermuteShared& sh) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+#pragma unroll
+  for (int s = 0; s < kStepsPerWarp; ++s) {
+    if (s >= r.steps) break;  // warp-uniform
+    const int b = r.b[s];
     const unsigned same = __match_any_sync(kFull, b);
-    if (valid && lane == __ffs(same) - 1) sh.hist[warp][b] += __popc(same);
+    if (b >= 0 && lane == __ffs(same) - 1) sh.hist[warp][b] += __popc(same);
     __syncwarp();
   }
 }
@@ -78,22 +100,19 @@ __device__ void scan_runs(int num_buckets, PermuteShared& sh, BaseFn base) {
 }
 
 // Phase C: rows of the warp's run, in entry order.
-__device__ void scatter_runs(const int32_t* ids, int64_t chunk_begin, int64_t chunk_end, int num_experts,
-                             PermuteShared& sh, int32_t* row_to_entry, int32_t* entry_to_row) {
+__device__ void scatter_runs(const RunBuckets& r, PermuteShared& sh, int32_t* row_to_entry, int32_t* entry_to_row) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int64_t run = chunk_begin + static_cast<int64_t>(warp) * kStepsPerWarp * 32;
   const unsigned lower = (1u << lane) - 1u;
-  for (int step = 0; step < kStepsPerWarp; ++step) {
-    const int64_t first = run + step * 32;
-    if (first >= chunk_end) break;
-    const int64_t entry = first + lane;
-    const bool valid = entry < chunk_end;
-    const int b = valid ? bucket_of(ids[entry], num_experts) : -1;
+#pragma unroll
+  for (int s = 0; s < kStepsPerWarp; ++s) {
+    if (s >= r.steps) break;  // warp-uniform
+    const int b = r.b[s];
     const unsigned same = __match_any_sync(kFull, b);
     int32_t base = 0;
-    if (valid) base = sh.hist[warp][b];
+    if (b >= 0) base = sh.hist[warp][b];
     __syncwarp();
-    if (valid) {
+    if (b >= 0) {
+      const int64_t entry = r.first + s * 32 + lane;
       const int32_t row = base + __popc(same & lower);
       if (lane == __ffs(same) - 1) sh.hist[warp][b] = base + __popc(same);
       row_to_entry[row] = static_cast<int32_t>(entry);
@@ -150,10 +169,13 @@ __global__ void __launch_bounds__(kThreads) permute_fused_kernel(const PermuteAr
   __shared__ PermuteShared sh;
   const int E = a.num_experts, nb = E + 1;
   const int64_t n = static_cast<int64_t>(a.num_tokens) * a.top_k;
+  // n <= kChunk: the fewest steps that cover n with every warp (at most kStepsPerWarp)
+  const int steps = static_cast<int>((n + kWarps * 32 - 1) / (kWarps * 32));
+  const RunBuckets run = load_run(a.topk_ids, 0, n, steps, E);  // before the clearing stores
   clear_words(a);
   zero_hist(nb, sh);
   __syncthreads();
-  count_runs(a.topk_ids, 0, n, E, sh);
+  count_runs(run, sh);
   __syncthreads();
   // bucket totals, two buckets per thread (nb <= 513 <= 2 * kThreads), scanned into offsets
   int32_t cnt[2];
@@ -175,7 +197,7 @@ __global__ void __launch_bounds__(kThreads) permute_fused_kernel(const PermuteAr
   write_offsets_and_tiles(sh.offsets, E, a.tile_rows, a, sh);
   scan_runs(nb, sh, [&](int b) { return sh.offsets[b]; });
   __syncthreads();
-  scatter_runs(a.topk_ids, 0, n, E, sh, a.row_to_entry, a.entry_to_row);
+  scatter_runs(run, sh, a.row_to_entry, a.entry_to_row);
 }
 
 // ---- few entries (T*k <= kSmallEntries): permute_block::permute_small_block -------------------------
@@ -245,12 +267,13 @@ __global__ void __launch_bounds__(kThreads) permute_scatter_kernel(const Permute
   const int32_t* chunk_base = static_cast<const int32_t*>(a.scratch) + static_cast<int64_t>(blockIdx.x) * nb;
   zero_hist(nb, sh);
   __syncthreads();
-  count_runs(a.topk_ids, begin, end, E, sh);
+  count_runs(load_run(a.topk_ids, begin, end, kStepsPerWarp, E), sh);
   __syncthreads();
   // expert_offsets[E] is the start of the invalid-id bucket
   scan_runs(nb, sh, [&](int b) { return a.expert_offsets[b] + chunk_base[b]; });
   __syncthreads();
-  scatter_runs(a.topk_ids, begin, end, E, sh, a.row_to_entry, a.entry_to_row);
+  // NOTE: loaded again rather than kept: held across the scan, the run's registers spilled here.
+  scatter_runs(load_run(a.topk_ids, begin, end, kStepsPerWarp, E), sh, a.row_to_entry, a.entry_to_row);
 }
 
 int64_t num_chunks(int64_t num_entries) { return (num_entries + kChunk - 1) / kChunk; }

@@ -18,7 +18,7 @@ inline constexpr int kWarps = 16;
 inline constexpr int kThreads = kWarps * 32;          // the block size every function here assumes
 inline constexpr int kMaxExperts = 512;
 inline constexpr int kMaxBuckets = kMaxExperts + 1;   // + the bucket of invalid ids
-inline constexpr int kSmallEntries = 128;             // permute_small_block's limit (O(n) loops per thread)
+inline constexpr int kSmallEntries = 256;             // permute_small_block's limit (O(n) loops per thread)
 inline constexpr unsigned kFull = 0xFFFFFFFFu;
 static_assert(kMaxExperts <= kThreads, "permute_small_block: thread e owns expert e's tiles");
 
@@ -80,22 +80,26 @@ __device__ __forceinline__ void clear_words(const PermuteArgs& a) {
 //   3. one block scan of the tile counts; thread e writes its expert's tiles;
 //   4. thread j < n: entry j's row = first row of its bucket + the entries before j in the same bucket,
 //      so the order is the histogram kernel's (stable, by entry).
-// NOTE: steps 2 and 4 cost O(n) shared-memory reads per thread; at n <= 128 that is below the
-// histogram path's barriers (decode stage times, docs/perf.md fifteenth session).
-// The ids are read through L2 (__ldcg): in the route launch another warp of the block wrote them.
+// NOTE: steps 2 and 4 cost O(n) shared-memory reads per thread (n <= 256: ~1 us each, estimated from
+// the instruction count); the histogram path's barriers cost a fixed 8-9 us of stage time at 64-1024
+// entries (decode stage times, docs/perf.md fifteenth session).
+// The ids are read through L2 (__ldcg) when they come from global memory: another kernel, or another
+// warp of the block, wrote them. The route launch passes its shared-memory copy instead (no round trip).
 struct SmallShared {
   int32_t bucket[kSmallEntries];
   int32_t first[kMaxBuckets];  // first row of each bucket
   int32_t warp_sums[kWarps];
 };
 
-// Every thread of a kThreads block calls it; T * k <= kSmallEntries (the launchers check).
-__device__ __forceinline__ void permute_small_block(const PermuteArgs& a, SmallShared& sh) {
+// Every thread of a kThreads block calls it; T * k <= kSmallEntries (the launchers check). ids_shared:
+// the block's own copy of a.topk_ids in shared memory (the route launch), or nullptr (read from global).
+__device__ __forceinline__ void permute_small_block(const PermuteArgs& a, SmallShared& sh,
+                                                    const int32_t* ids_shared = nullptr) {
   static_assert(kSmallEntries <= kThreads, "thread j loads entry j");
   const int E = a.num_experts, tid = threadIdx.x;
   const int n = a.num_tokens * a.top_k;
   clear_words(a);
-  if (tid < n) sh.bucket[tid] = bucket_of(__ldcg(a.topk_ids + tid), E);
+  if (tid < n) sh.bucket[tid] = bucket_of(ids_shared != nullptr ? ids_shared[tid] : __ldcg(a.topk_ids + tid), E);
   __syncthreads();
   int32_t tiles = 0;  // of expert tid (E <= kThreads: thread e < E has bucket e; thread 0 also has bucket E = 512)
   for (int e = tid; e <= E; e += kThreads) {

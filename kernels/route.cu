@@ -93,20 +93,31 @@ __device__ __forceinline__ void quantize_token_row(const RouteArgs& a, int64_t t
 }
 
 // Token t's routing by one warp (the steps in the file header). Every lane of the warp calls it.
+// ids_shared (the route launch that permutes, or nullptr): the ids are also written there, by entry.
 template <int VPT>  // values per lane: E <= 32 * VPT
-__device__ __forceinline__ void route_token(const RouteArgs& args, int64_t t, int lane) {
+__device__ __forceinline__ void route_token(const RouteArgs& args, int64_t t, int lane, int32_t* ids_shared) {
   const int E = args.num_experts;
   const RoutingParams& p = args.params;
   const int k = p.top_k;
   const int64_t row = t * E;
 
   // 1. choice scores as order keys
+  // NOTE (loads first): the lane's VPT logits are loaded before any is used; with the dtype branch
+  // inside the loop, each load waited for the previous one's key (SASS: VPT dependent round trips per
+  // token before the first argmax).
+  float v[VPT];
+  if (args.logits_bf16) {
+    const __nv_bfloat16* logits = static_cast<const __nv_bfloat16*>(args.logits) + row;
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) v[i] = 32 * i + lane < E ? __bfloat162float(logits[32 * i + lane]) : 0.0f;
+  } else {
+    const float* logits = static_cast<const float*>(args.logits) + row;
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) v[i] = 32 * i + lane < E ? logits[32 * i + lane] : 0.0f;
+  }
   uint32_t key[VPT];
 #pragma unroll
-  for (int i = 0; i < VPT; ++i) {
-    const int e = 32 * i + lane;
-    key[i] = e < E ? order_key(load_logit(args.logits, args.logits_bf16, row + e)) : kKeyNone;
-  }
+  for (int i = 0; i < VPT; ++i) key[i] = 32 * i + lane < E ? order_key(v[i]) : kKeyNone;
 
   // 2. top-k: slot j's id is kept by lane j
   int my_id = -1;
@@ -120,11 +131,11 @@ __device__ __forceinline__ void route_token(const RouteArgs& args, int64_t t, in
       }
     }
     const int win = warp_argmax(best, best_id);
-    if (win >= 0 && (win & 31) == lane) {
+    // NOTE: the winner's key is cleared by a mask on every slot, not by a store at a computed index:
+    // that store put key[] in local memory (SASS: STL and LDL.128 in every round).
+    const int clear = (win >= 0 && (win & 31) == lane) ? (win >> 5) : -1;
 #pragma unroll
-      for (int i = 0; i < VPT; ++i)
-        if (i == (win >> 5)) key[i] = kKeyNone;
-    }
+    for (int i = 0; i < VPT; ++i) key[i] &= i == clear ? kKeyNone : 0xFFFFFFFFu;
     if (lane == j) my_id = win;
   }
 
@@ -137,10 +148,12 @@ __device__ __forceinline__ void route_token(const RouteArgs& args, int64_t t, in
     case RoutingMethod::RenormalizeNaive: {
       const double m = static_cast<double>(__shfl_sync(kFull, s, 0));  // the largest logit
       double part = 0.0;
+      // The logits of step 1, kept in registers up to 4 per lane (E <= 128); with 16 they spilled.
+      constexpr bool kKept = VPT <= 4;
 #pragma unroll
       for (int i = 0; i < VPT; ++i) {
         const int e = 32 * i + lane;
-        if (e < E) part += exp(static_cast<double>(load_logit(args.logits, args.logits_bf16, row + e)) - m);
+        if (e < E) part += exp(static_cast<double>(kKept ? v[i] : load_logit(args.logits, args.logits_bf16, row + e)) - m);
       }
 #pragma unroll
       for (int off = 16; off > 0; off >>= 1) part += __shfl_xor_sync(kFull, part, off);
@@ -182,17 +195,19 @@ __device__ __forceinline__ void route_token(const RouteArgs& args, int64_t t, in
   if (active) {
     args.topk_ids[t * k + lane] = my_id;
     args.topk_weights[t * k + lane] = __double2float_rn(w);
+    if (ids_shared != nullptr) ids_shared[t * k + lane] = my_id;
   }
 }
 
 // launch_route_permute: the launch's one block permutes the ids it routed (permute_small_block, the
 // permute launch's arithmetic), after the barrier that makes every warp's ids visible to the block.
 // Every thread of the block calls it; `permute.expert_offsets == nullptr` (launch_route) does nothing.
-__device__ __forceinline__ void permute_in_block(const PermuteArgs& permute) {
+// ids_shared: the routed ids in shared memory (entry order), which the block wrote before the barrier.
+__device__ __forceinline__ void permute_in_block(const PermuteArgs& permute, const int32_t* ids_shared) {
   if (permute.expert_offsets == nullptr) return;  // block-uniform
   __shared__ permute_block::SmallShared sh;
   __syncthreads();
-  permute_block::permute_small_block(permute, sh);
+  permute_block::permute_small_block(permute, sh, ids_shared);
 }
 
 // Warp w of block b routes tokens b * warps + w, + route_blocks * warps, ... (one token per warp,
@@ -218,9 +233,13 @@ __global__ void __launch_bounds__(permute_block::kThreads)
     return;
   }
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  // NOTE: with the permutation in this block, the ids also go to shared memory, so that the
+  // permutation does not read them back through L2 (a round trip after the barrier).
+  __shared__ int32_t s_ids[permute_block::kSmallEntries];
+  int32_t* const ids_shared = permute.expert_offsets != nullptr ? s_ids : nullptr;
   for (int64_t t = static_cast<int64_t>(blockIdx.x) * warps + warp; t < args.num_tokens; t += route_blocks * warps)
-    route_token<VPT>(args, t, lane);  // warp-uniform
-  permute_in_block(permute);
+    route_token<VPT>(args, t, lane, ids_shared);  // warp-uniform
+  permute_in_block(permute, ids_shared);
 }
 
 // DeepSeekV3 with one CTA per token and one thread per expert (blockDim = E rounded up to 32), the
@@ -248,9 +267,11 @@ __global__ void __launch_bounds__(kMaxExperts) route_deepseek_block_kernel(const
   // 1. choice score
   uint32_t key = kKeyNone;
   if (e < E) {
+    // NOTE: the bias is loaded with the logit: loaded after the sigmoid, it waited for it (SASS).
     const float s = load_logit(args.logits, args.logits_bf16, row + e);
+    const float bias = args.bias != nullptr ? args.bias[e] : 0.0f;
     const float sig = static_cast<float>(sigmoid(static_cast<double>(s)));
-    const float c = __fadd_rn(sig, args.bias != nullptr ? args.bias[e] : 0.0f);
+    const float c = __fadd_rn(sig, bias);
     c_sh[e] = c;
     key = order_key(c);
   }
@@ -328,7 +349,7 @@ __global__ void __launch_bounds__(kMaxExperts) route_deepseek_block_kernel(const
     args.topk_weights[blockIdx.x * static_cast<int64_t>(k) + e] = __double2float_rn(w);
   }
   if (args.quant_out != nullptr) quantize_token_row(args, blockIdx.x, threadIdx.x, blockDim.x);
-  permute_in_block(permute);  // launch_route_permute: T = 1, one block of permute_block::kThreads
+  permute_in_block(permute, ids_sh);  // launch_route_permute: T = 1, one block of permute_block::kThreads
 }
 
 bool aligned16(const void* q) { return reinterpret_cast<uintptr_t>(q) % 16 == 0; }

@@ -184,20 +184,20 @@ TEST(PermuteKernel, AllTokensOnOneExpert) {
       }
 }
 
-// The one-block path's limit (permute_block::kSmallEntries = 128 entries) and the entry past it.
+// The one-block path's limit (permute_block::kSmallEntries = 256 entries) and the entry past it.
 TEST(PermuteKernel, SmallPathLimit) {
   FP4MOE_REQUIRE_SM90();
   uint64_t seed = 6000;
-  for (int T : {16, 17}) {
+  for (int T : {32, 33}) {
     run_case(T, 8, 256, 16, IdKind::Distinct, ++seed);
     run_case(T, 8, 16, 16, IdKind::Skewed, ++seed);
     run_case(T, 8, 512, 16, IdKind::SomeInvalid, ++seed);
   }
-  for (int T : {128, 129}) {
+  for (int T : {256, 257}) {
     run_case(T, 1, 16, 16, IdKind::OneExpert, ++seed);
     run_case(T, 1, 128, 16, IdKind::Repeats, ++seed);
   }
-  run_case(4, 32, 512, 16, IdKind::Distinct, ++seed);
+  run_case(8, 32, 512, 16, IdKind::Distinct, ++seed);
 }
 
 TEST(PermuteKernel, RepeatedAndInvalidIds) {

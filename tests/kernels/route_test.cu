@@ -436,7 +436,7 @@ TEST(RouteKernel, TokenCounts) {
   }
 }
 
-// Every shape that launch_route_permute takes (T * k <= 128, T <= 32; DeepSeekV3 at T = 1): run_case checks the
+// Every shape that launch_route_permute takes (T * k <= 256, T <= 32; DeepSeekV3 at T = 1): run_case checks the
 // one-launch routing and permutation against the two launches, bit for bit.
 TEST(RouteKernel, RoutePermuteOneLaunch) {
   FP4MOE_REQUIRE_SM90();
@@ -447,7 +447,7 @@ TEST(RouteKernel, RoutePermuteOneLaunch) {
       for (int k : kTopK) {
         if (k > E) continue;
         for (int T : {1, 2, 3, 4, 16, 17, 32}) {
-          if (T * k > 128) continue;
+          if (T * k > 256) continue;
           RouteCase c;
           c.params = params_of(m, k);
           c.E = E;
@@ -480,8 +480,9 @@ TEST(RouteKernel, RoutePermuteOneLaunch) {
 }
 
 TEST(RouteKernel, RoutePermuteRejectsWhatDoesNotFit) {
-  EXPECT_TRUE(kernels::route_permute_fits(params_of(RoutingMethod::Renormalize, 8), 16));
-  EXPECT_FALSE(kernels::route_permute_fits(params_of(RoutingMethod::Renormalize, 8), 17));   // 136 entries
+  EXPECT_TRUE(kernels::route_permute_fits(params_of(RoutingMethod::Renormalize, 8), 32));
+  EXPECT_FALSE(kernels::route_permute_fits(params_of(RoutingMethod::Renormalize, 8), 33));   // 264 entries
+  EXPECT_FALSE(kernels::route_permute_fits(params_of(RoutingMethod::Renormalize, 16), 17));  // 272 entries
   EXPECT_TRUE(kernels::route_permute_fits(params_of(RoutingMethod::Llama4, 1), 32));
   EXPECT_FALSE(kernels::route_permute_fits(params_of(RoutingMethod::Llama4, 1), 33));   // 3 tokens per warp
   EXPECT_FALSE(kernels::route_permute_fits(params_of(RoutingMethod::Llama4, 1), 128));
@@ -493,19 +494,19 @@ TEST(RouteKernel, RoutePermuteRejectsWhatDoesNotFit) {
   const float logits = 0.0f;
   kernels::RouteArgs r;
   r.logits = &logits;
-  r.num_tokens = 17;
+  r.num_tokens = 33;
   r.num_experts = 128;
   r.params = params_of(RoutingMethod::Renormalize, 8);
   r.topk_ids = ids;
   r.topk_weights = reinterpret_cast<float*>(out);
   kernels::PermuteArgs pa;
   pa.topk_ids = ids;
-  pa.num_tokens = 17;
+  pa.num_tokens = 33;
   pa.top_k = 8;
   pa.num_experts = 128;
   pa.tile_rows = 16;
   pa.expert_offsets = pa.row_to_entry = pa.entry_to_row = pa.tile_expert = pa.tile_row_start = pa.num_tiles = out;
-  EXPECT_EQ(kernels::launch_route_permute(r, pa, nullptr), cudaErrorInvalidValue);  // 136 entries
+  EXPECT_EQ(kernels::launch_route_permute(r, pa, nullptr), cudaErrorInvalidValue);  // 264 entries
   r.num_tokens = pa.num_tokens = 16;
   pa.topk_ids = out;  // not the route's ids
   EXPECT_EQ(kernels::launch_route_permute(r, pa, nullptr), cudaErrorInvalidValue);
