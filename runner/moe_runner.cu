@@ -355,9 +355,12 @@ Status GpuMoeRunner::run(cudaStream_t stream, const ForwardArgs& a, bool routed,
   // then the slot loads) holds every GEMM2 CTA's slot for its round trips (~10% of GEMM2's warp
   // samples at deepseek-r1 T = 64, ncu), while the finalize launch reads y once (A/B 40 decode rows
   // T = 8..128: geomean 0.995 in both modes, qwen3-30b-a3b T = 128 -2.4%; docs/perf.md, thirteenth
-  // session). Caller-given ids keep the separate finalize, which turns an out-of-range id (a token with
+  // session). With the slot loads issued first (nvfp4::finalize_token8) the fused finalize also wins at
+  // 64 entries: fused up to 512 against the launch, w4a16 (sixteenth session): T = 8 (64 entries)
+  // qwen3-30b-a3b 0.965, qwen3-235b-a22b 0.982, deepseek-r1 1.001; T = 16 0.989-1.007; T = 64 1.007-1.018.
+  // Caller-given ids keep the separate finalize, which turns an out-of-range id (a token with
   // fewer than k GEMM rows) into a NaN row.
-  constexpr int64_t kFinalizeInGemm2Entries = 32;
+  constexpr int64_t kFinalizeInGemm2Entries = 64;
   const bool finalize_in_gemm2 =
       k > 1 && !routed && tactic.kernel == GemmKernel::Sm90Stream && entries <= kFinalizeInGemm2Entries;
   if (finalize_in_gemm2) {
