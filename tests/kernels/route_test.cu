@@ -3,7 +3,7 @@
 // Every routing method, E in {8, 16, 128, 256, 512}, k in {1, 2, 4, 8, 32} (k <= E), fp32 and bf16
 // logits, logits with exact ties, NaN logits, DeepSeekV3 with and without groups, T from 0 to 8193.
 // Outputs are poisoned before each launch; ids must be identical, weights within 1e-6 relative.
-// Where launch_route_permute applies (route_permute_fits: T * k <= 128, T <= 32), every case also runs
+// Where launch_route_permute applies (route_permute_fits: T * k <= 256, T <= 32), every case also runs
 // it and compares its routing and permutation with launch_route then launch_permute, bit for bit.
 #include <gtest/gtest.h>
 
