@@ -613,17 +613,31 @@ __global__ void __launch_bounds__(kThreads, StreamTile<TileRows>::kCtasPerSm)
     if (!s_last) return;
     __threadfence();  // acquire side of the counter: the other splits' partials are read after it
     // Fixed order 0..split_k-1 (deterministic); __ldcg: straight from L2, never a stale L1 line.
+    // NOTE (loads first): the partials of kSplitBatch splits are loaded before the first add; with a
+    // split's loads and adds per iteration, the last CTA of every output tile waited for split_k L2
+    // round trips in a row (SASS: each split's loads issued after the previous split's adds).
+    constexpr int kSplitBatch = 8 / kHalves;  // 32 floats in flight per thread
 #pragma unroll 1
-    for (int s = 0; s < sp.split_k; ++s) {
-      const float4* src = reinterpret_cast<const float4*>(part + static_cast<int64_t>(s) * kPartialFloats);
+    for (int s0 = 0; s0 < sp.split_k; s0 += kSplitBatch) {
+      float4 v[kSplitBatch][kHalves];
 #pragma unroll
-      for (int h = 0; h < kHalves; ++h) {
-        const float4 v = __ldcg(src + h);
-        if (s == 0) {
-          acc[h][0] = v.x, acc[h][1] = v.y, acc[h][2] = v.z, acc[h][3] = v.w;
-        } else {
-          acc[h][0] = __fadd_rn(acc[h][0], v.x), acc[h][1] = __fadd_rn(acc[h][1], v.y);
-          acc[h][2] = __fadd_rn(acc[h][2], v.z), acc[h][3] = __fadd_rn(acc[h][3], v.w);
+      for (int b = 0; b < kSplitBatch; ++b) {
+        if (s0 + b >= sp.split_k) break;
+        const float4* src = reinterpret_cast<const float4*>(part + static_cast<int64_t>(s0 + b) * kPartialFloats);
+#pragma unroll
+        for (int h = 0; h < kHalves; ++h) v[b][h] = __ldcg(src + h);
+      }
+#pragma unroll
+      for (int b = 0; b < kSplitBatch; ++b) {
+        if (s0 + b >= sp.split_k) break;
+#pragma unroll
+        for (int h = 0; h < kHalves; ++h) {
+          if (s0 + b == 0) {
+            acc[h][0] = v[b][h].x, acc[h][1] = v[b][h].y, acc[h][2] = v[b][h].z, acc[h][3] = v[b][h].w;
+          } else {
+            acc[h][0] = __fadd_rn(acc[h][0], v[b][h].x), acc[h][1] = __fadd_rn(acc[h][1], v[b][h].y);
+            acc[h][2] = __fadd_rn(acc[h][2], v[b][h].z), acc[h][3] = __fadd_rn(acc[h][3], v[b][h].w);
+          }
         }
       }
     }

@@ -246,18 +246,20 @@ __global__ void __launch_bounds__(permute_block::kThreads)
 // choice and weights of reference/routing.cpp: the sigmoids, the group scan and the top-k rounds run
 // across the CTA (a one-warp version issued ~5000 dependent instructions per token: ~17 us at T = 1,
 // against 9 us for the whole route stage with this kernel on the H200).
-//   1. thread e: c = fp32(sigmoid(double s)) + bias[e], its order key; c to shared memory
+//   1. thread e: sig = fp32(sigmoid(double s)), c = sig + bias[e], its order key; sig and c to shared memory
 //   2. n_group > 1: thread g < n_group scans its group's c in order for the top-2 keys; group score =
 //      value(k1) + value(k2) (fp32); thread 0 keeps the topk_group best groups (ties: lower group)
-//   3. k rounds of a CTA argmax (warp redux, then the warps' winners in shared memory; ties: lower id)
-//   4. thread j < k: the weight of slot j, the slot sum in slot order (double), as route_kernel
+//   3. k rounds of a CTA argmax (warp redux, then the warps' winners in shared memory; ties: lower id),
+//      one CTA barrier per round
+//   4. thread j < k (warp 0): the weight of slot j from sig, the slot sum in slot order (double), as
+//      route_kernel
 __global__ void __launch_bounds__(kMaxExperts) route_deepseek_block_kernel(const RouteArgs args, const PermuteArgs permute) {
   __shared__ float c_sh[kMaxExperts];
   __shared__ uint32_t gkey_sh[kMaxGroups];
   __shared__ uint32_t kept_sh;
-  __shared__ uint32_t wkey_sh[kMaxExperts / 32], wid_sh[kMaxExperts / 32];
+  __shared__ float sig_sh[kMaxExperts];
+  __shared__ uint32_t wkey_sh[2][kMaxExperts / 32], wid_sh[2][kMaxExperts / 32];  // by round parity
   __shared__ int32_t ids_sh[kMaxTopK];
-  __shared__ double sg_sh[kMaxTopK];
   dependent_launch_prologue();
   const int E = args.num_experts, e = threadIdx.x, lane = e % 32, warp = e / 32, nwarps = blockDim.x / 32;
   const RoutingParams& p = args.params;
@@ -273,80 +275,97 @@ __global__ void __launch_bounds__(kMaxExperts) route_deepseek_block_kernel(const
     const float sig = static_cast<float>(sigmoid(static_cast<double>(s)));
     const float c = __fadd_rn(sig, bias);
     c_sh[e] = c;
+    sig_sh[e] = sig;
     key = order_key(c);
   }
 
   // 2. group selection
   if (p.n_group > 1) {
     const int ng = p.n_group, gsize = E / ng;
-    __syncthreads();  // c_sh complete
-    if (e < ng) {
-      uint32_t k1 = kKeyNone, k2 = kKeyNone;  // top-2 keys of group e, k1 >= k2
-      for (int i = 0; i < gsize; ++i) {
-        const uint32_t kc = order_key(c_sh[e * gsize + i]);
-        if (kc > k1) {
-          k2 = k1;
-          k1 = kc;
-        } else if (kc > k2) {
-          k2 = kc;
-        }
+    if (gsize == 32) {
+      // NOTE (a warp per group): with groups of 32 experts (DeepSeek-R1: 8 x 32) warp g holds group g's
+      // keys in registers: its top-2 (a multiset: k2 = k1 when the maximum appears twice, as the scan)
+      // by two warp reductions, where one thread's scan of 32 keys in shared memory was a chain of
+      // ~300 dependent instructions, and without the barrier for c_sh.
+      if (warp < ng) {
+        const uint32_t k1 = __reduce_max_sync(kFull, key);
+        const bool twice = __popc(__ballot_sync(kFull, key == k1)) >= 2;
+        const uint32_t k2 = twice ? k1 : __reduce_max_sync(kFull, key == k1 ? kKeyNone : key);
+        if (lane == 0) gkey_sh[warp] = order_key(__fadd_rn(key_value(k1), key_value(k2)));
       }
-      gkey_sh[e] = order_key(__fadd_rn(key_value(k1), key_value(k2)));
+    } else {
+      __syncthreads();  // c_sh complete
+      if (e < ng) {
+        uint32_t k1 = kKeyNone, k2 = kKeyNone;  // top-2 keys of group e, k1 >= k2
+        for (int i = 0; i < gsize; ++i) {
+          const uint32_t kc = order_key(c_sh[e * gsize + i]);
+          if (kc > k1) {
+            k2 = k1;
+            k1 = kc;
+          } else if (kc > k2) {
+            k2 = kc;
+          }
+        }
+        gkey_sh[e] = order_key(__fadd_rn(key_value(k1), key_value(k2)));
+      }
     }
     __syncthreads();
-    if (e == 0) {
+    // The topk_group best groups by warp 0, lane g holding group g (ng <= 16): rounds of a warp argmax,
+    // ties to the lower group.
+    if (warp == 0) {
+      uint32_t gk = lane < ng ? gkey_sh[lane] : kKeyNone;
       uint32_t kept = 0;
       for (int r = 0; r < p.topk_group; ++r) {
-        uint32_t best = kKeyNone;
-        int win = -1;
-        for (int g = 0; g < ng; ++g)
-          if (!((kept >> g) & 1u) && gkey_sh[g] > best) {  // strict: the lower group wins a tie
-            best = gkey_sh[g];
-            win = g;
-          }
+        const int win = warp_argmax(gk, static_cast<uint32_t>(lane));
         if (win < 0) break;
         kept |= 1u << win;
+        if (lane == win) gk = kKeyNone;
       }
-      kept_sh = kept;
+      if (lane == 0) kept_sh = kept;
     }
     __syncthreads();
     if (e < E && !((kept_sh >> (e / gsize)) & 1u)) key = kKeyNone;
   }
 
-  // 3. top-k: k rounds of a CTA argmax; the winner leaves the candidates
+  // 3. top-k: k rounds of a CTA argmax; the winner leaves the candidates. Every thread computes every
+  // round's winner; thread j keeps slot j's.
+  // NOTE (one barrier per round): round j writes the warps' winners to buffer j % 2; round j + 2
+  // writes that buffer again only after every thread passed round j + 1's barrier, so after it read
+  // round j's winners (the second barrier per round before: 2k CTA barriers per token).
+  int my_id = -1;
   for (int j = 0; j < k; ++j) {
+    const int buf = j & 1;
     const uint32_t wbest = __reduce_max_sync(kFull, key);
     const uint32_t wid = __reduce_min_sync(kFull, key == wbest ? static_cast<uint32_t>(e) : 0xFFFFFFFFu);
     if (lane == 0) {
-      wkey_sh[warp] = wbest;
-      wid_sh[warp] = wid;
+      wkey_sh[buf][warp] = wbest;
+      wid_sh[buf][warp] = wid;
     }
     __syncthreads();
     uint32_t best = kKeyNone, best_id = 0xFFFFFFFFu;
     for (int w = 0; w < nwarps; ++w)  // warps in id order: strict > keeps the lowest id of a tie
-      if (wkey_sh[w] > best) {
-        best = wkey_sh[w];
-        best_id = wid_sh[w];
+      if (wkey_sh[buf][w] > best) {
+        best = wkey_sh[buf][w];
+        best_id = wid_sh[buf][w];
       }
     const int win = best == kKeyNone ? -1 : static_cast<int>(best_id);
     if (win == e) key = kKeyNone;
-    if (e == 0) ids_sh[j] = win;
-    __syncthreads();  // every thread read this round's winners before the next round writes them
+    if (e == j) my_id = win;
+    if (e == 0) ids_sh[j] = win;  // for permute_in_block, after its barrier
   }
 
-  // 4. weights
-  if (e < k) {
-    const int id = ids_sh[e];
-    const float s = id >= 0 ? load_logit(args.logits, args.logits_bf16, row + id) : 0.0f;
-    sg_sh[e] = static_cast<double>(static_cast<float>(sigmoid(static_cast<double>(s))));
-  }
-  __syncthreads();
-  if (e < k) {
-    double sum = 0.0;
-    for (int j = 0; j < k; ++j) sum += sg_sh[j];  // slot order, as route_kernel's slot_sum
-    const double w = sg_sh[e] / (sum + 1e-20) * static_cast<double>(p.routed_scaling_factor);
-    args.topk_ids[blockIdx.x * static_cast<int64_t>(k) + e] = ids_sh[e];
-    args.topk_weights[blockIdx.x * static_cast<int64_t>(k) + e] = __double2float_rn(w);
+  // 4. weights, by warp 0 (k <= 32): thread j's slot from sig of step 1 (the value the reference
+  // computes from the logit again), the slot sum in slot order by shuffles, as route_kernel.
+  // NOTE: step 1's sig_sh instead of the logit loaded again: a load and a CTA barrier fewer.
+  if (warp == 0) {
+    const bool active = e < k;
+    const double sg = static_cast<double>(my_id >= 0 ? sig_sh[my_id] : static_cast<float>(sigmoid(0.0)));
+    const double sum = slot_sum(active ? sg : 0.0, k);
+    if (active) {
+      const double w = sg / (sum + 1e-20) * static_cast<double>(p.routed_scaling_factor);
+      args.topk_ids[blockIdx.x * static_cast<int64_t>(k) + e] = my_id;
+      args.topk_weights[blockIdx.x * static_cast<int64_t>(k) + e] = __double2float_rn(w);
+    }
   }
   if (args.quant_out != nullptr) quantize_token_row(args, blockIdx.x, threadIdx.x, blockDim.x);
   permute_in_block(permute, ids_sh);  // launch_route_permute: T = 1, one block of permute_block::kThreads
