@@ -381,6 +381,8 @@ std::vector<TuneEntry> tune_problem(const std::string& label, const MoeProblem& 
     e.problem = p;
     e.bucket = b;
     e.heuristic = heuristic;
+    // 1. Screening: every candidate once, the heuristic first.
+    std::vector<std::pair<double, MoeTactic>> screened;  // (median us, tactic)
     double best = 0;
     int reps = o.reps;
     for (const MoeTactic& t : order) {
@@ -391,18 +393,38 @@ std::vector<TuneEntry> tune_problem(const std::string& label, const MoeProblem& 
       const double m = median(us);
       // Long layers vary less (~1% at 1 ms and above): about 100 ms of replays per candidate is enough.
       if (best == 0) reps = static_cast<int>(std::clamp(1e5 / m, 7.0, static_cast<double>(o.reps)));
-      if (t == heuristic) e.heuristic_us = m;
-      if (best == 0 || m < best) {
-        best = m;
-        e.tactic = t;
+      if (best == 0 || m < best) best = m;
+      screened.emplace_back(m, t);
+    }
+    // 2. Confirmation: the heuristic and the two fastest others, timed again in turns (kRounds rounds),
+    // and chosen by the median of those replays alone.
+    // NOTE: a single pass decides on one median per candidate, taken at its own moment; timing the
+    // finalists again in turns puts a slow phase of the device (clock, power) on all of them. It does
+    // not explain every gap between tune and bench: deepseek-r1 w4a4_scalar T = 256 is tuned to the
+    // streaming kernel (1691 us in the tune) while the bench times wgmma t128 at 1459 us and the
+    // streaming kernel at 1591 us (docs/perf.md, seventeenth session).
+    std::stable_sort(screened.begin() + 1, screened.end(),
+                     [](const auto& x, const auto& y) { return x.first < y.first; });
+    screened.resize(std::min<size_t>(screened.size(), 3));  // [0] is the heuristic
+    std::vector<std::vector<double>> confirm(screened.size());
+    constexpr int kRounds = 2;
+    for (int round = 0; round < kRounds; ++round)
+      for (size_t i = 0; i < screened.size(); ++i) {
+        runner->force_tactic(screened[i].second);
+        const std::vector<double> us = time_replays(*runner, stream, a, flush.ptr, flush_bytes, 1, reps);
+        confirm[i].insert(confirm[i].end(), us.begin(), us.end());
+      }
+    e.heuristic_us = median(confirm[0]);
+    e.tactic = heuristic;
+    e.tactic_us = e.heuristic_us;
+    for (size_t i = 1; i < screened.size(); ++i) {
+      const double m = median(confirm[i]);
+      // NOTE: a win inside the replay noise (~1.5%) is not a win: keep the heuristic then, so that a
+      // tuned choice never trades a known default for a coin flip.
+      if (m < e.tactic_us && m < 0.985 * e.heuristic_us) {
+        e.tactic = screened[i].second;
         e.tactic_us = m;
       }
-    }
-    // NOTE: a win inside the replay noise (~1%) is not a win: keep the heuristic then, so that a tuned
-    // choice never trades a known default for a coin flip.
-    if (!(e.tactic == heuristic) && e.tactic_us > 0.985 * e.heuristic_us) {
-      e.tactic = heuristic;
-      e.tactic_us = e.heuristic_us;
     }
     entries.push_back(e);
     if (o.progress)
