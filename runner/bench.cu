@@ -395,6 +395,10 @@ std::vector<TuneEntry> tune_problem(const std::string& label, const MoeProblem& 
       if (best == 0) reps = static_cast<int>(std::clamp(1e5 / m, 7.0, static_cast<double>(o.reps)));
       if (best == 0 || m < best) best = m;
       screened.emplace_back(m, t);
+      if (log_level() >= LogLevel::Debug)
+        log_line(detail::concat("tune ", label, " T=", T, ": screen ", describe(t), " ", m, " us (", us.size(),
+                                " replays)"),
+                 LogLevel::Debug);
     }
     // 2. Confirmation: the heuristic and the two fastest others, timed again in turns (kRounds rounds),
     // and chosen by the median of those replays alone.
@@ -414,6 +418,11 @@ std::vector<TuneEntry> tune_problem(const std::string& label, const MoeProblem& 
         const std::vector<double> us = time_replays(*runner, stream, a, flush.ptr, flush_bytes, 1, reps);
         confirm[i].insert(confirm[i].end(), us.begin(), us.end());
       }
+    if (log_level() >= LogLevel::Debug)
+      for (size_t i = 0; i < screened.size(); ++i)
+        log_line(detail::concat("tune ", label, " T=", T, ": confirm ", describe(screened[i].second), " ",
+                                median(confirm[i]), " us (", confirm[i].size(), " replays)"),
+                 LogLevel::Debug);
     e.heuristic_us = median(confirm[0]);
     e.tactic = heuristic;
     e.tactic_us = e.heuristic_us;
