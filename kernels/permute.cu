@@ -6,8 +6,9 @@
 // covers the entries with 16 warps), 32 at a time. Ids outside [0, E) go to an extra bucket E placed after all
 // experts: expert_offsets[E] counts the valid entries only, and those rows belong to no expert (the
 // GEMMs skip them), but row_to_entry / entry_to_row stay full permutations.
-//   at most 256 entries (decode), one launch: permute_small_kernel (no histograms, see
-//   kernels/permute_block.cuh); the route launch may run the same block instead (launch_route_permute).
+//   at most 512 entries (decode), one launch: permute_small_kernel (no histograms: counts per entry
+//   warp, see kernels/permute_block.cuh); the route launch may permute up to 256 entries in its own
+//   block instead (launch_route_permute, permute_small_block: the same result).
 //   one chunk (T*k <= kChunk), one launch: permute_fused_kernel does every step below in one block.
 //   Either way, the one-block kernel (small, fused or scan) also clears PermuteArgs::zero_words.
 //   otherwise, three launches:
@@ -200,13 +201,13 @@ __global__ void __launch_bounds__(kThreads) permute_fused_kernel(const PermuteAr
   scatter_runs(run, sh, a.row_to_entry, a.entry_to_row);
 }
 
-// ---- few entries (T*k <= kSmallEntries): permute_block::permute_small_block -------------------------
-constexpr int kSmallEntries = permute_block::kSmallEntries;
+// ---- few entries (T*k <= kSmallEntries): permute_block::permute_small_block_by_warp_counts -----------
+constexpr int kSmallEntries = permute_block::kWarpCountEntries;
 
 __global__ void __launch_bounds__(kThreads) permute_small_kernel(const PermuteArgs a) {
   dependent_launch_prologue();
-  __shared__ permute_block::SmallShared sh;
-  permute_block::permute_small_block(a, sh);
+  __shared__ permute_block::WarpCountShared sh;
+  permute_block::permute_small_block_by_warp_counts(a, sh);
 }
 
 // ---- several chunks ------------------------------------------------------------------------------

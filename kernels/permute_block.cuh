@@ -132,4 +132,92 @@ __device__ __forceinline__ void permute_small_block(const PermuteArgs& a, SmallS
   }
 }
 
+
+// ---- up to one entry per thread, counted by entry warps (the permute launch) -----------------------
+// The same permutation as permute_small_block (the same rows, tiles and offsets: the order is stable
+// by entry), for up to kWarpCountEntries = kThreads entries, with its O(n) loops per thread replaced by
+// counts per entry warp (n <= 512: 16 warps):
+//   1. thread j < n holds entry j's bucket b_j in a register; the block clears the [16][E+1] counts;
+//   2. each entry warp w: __match_any_sync groups its lanes by bucket; the lowest lane of each group
+//      writes the group's size to counts[w][b] (one writer per (w, b): no atomics);
+//   3. thread e < E: in = sum over the entry warps of counts[w][e], tiles = ceil(in / tile_rows); one
+//      block scan of (in << 16 | tiles) (both sums <= 1024 fit 16 bits) gives the first row and the
+//      first tile of every expert; bucket E (invalid ids) starts after every expert;
+//   4. thread j < n: row = first row of b_j + the entries of b_j in the earlier entry warps + its
+//      group's lanes below it.
+// NOTE: permute_small_block's loops cost ~2.6 us of issue in one SM at n = 256 (129 bucket threads x
+// 256 entries x 5 instructions, SASS count); here each thread reads at most 16 counts per step. From
+// 257 to 512 entries it replaces permute_fused_kernel (a 16 x (E+1) histogram, ~10 block barriers:
+// 7.5 us of stage time at qwen3-235b-a22b T = 64). Used by the permute launch only: in the route launch that permutes (kernels/route.cu) this form made the
+// route stage faster but the qwen3 layers slower at T = 1 and 16 (A/B, docs/perf.md seventeenth
+// session), not explained; there permute_small_block stays.
+inline constexpr int kWarpCountEntries = kThreads;  // permute_small_block_by_warp_counts's limit
+inline constexpr int kEntryWarps = kWarpCountEntries / 32;
+inline constexpr int kCountStride = (kMaxBuckets + 3) / 4 * 4;  // bytes per entry warp: whole words
+struct WarpCountShared {
+  alignas(16) uint8_t counts[kEntryWarps][kCountStride];  // [entry warp][bucket], <= 32: a byte
+  int32_t first[kMaxBuckets];                                  // first row of each bucket
+  // NOTE: 16-byte aligned: the scan reads warp_sums as LDS.128, which at first's end (0x2844) also read
+  // first[512], a word other threads store after the scan (racecheck reported the overlap; SASS).
+  alignas(16) int32_t warp_sums[kWarps];
+};
+
+// Every thread of a kThreads block calls it; T * k <= kWarpCountEntries (the launcher checks). The ids come
+// from global memory through L2 (__ldcg): the route launch wrote them.
+__device__ __forceinline__ void permute_small_block_by_warp_counts(const PermuteArgs& a, WarpCountShared& sh) {
+  static_assert(kWarpCountEntries <= kThreads && kMaxExperts <= kThreads, "thread j holds entry j, thread e expert e");
+  static_assert(kWarpCountEntries + kMaxExperts < (1 << 16), "entries and tiles share one 32-bit scan value");
+  const int E = a.num_experts, tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int n = a.num_tokens * a.top_k;
+  const int entry_warps = (n + 31) / 32;
+  clear_words(a);
+  // 1. the bucket of entry tid; the entry warps' counts cleared
+  const bool has_entry = tid < n;
+  const int32_t b = has_entry ? bucket_of(__ldcg(a.topk_ids + tid), E) : -1;
+  for (int i = tid; i < entry_warps * kCountStride / 4; i += kThreads) reinterpret_cast<uint32_t*>(&sh.counts[0][0])[i] = 0;
+  __syncthreads();
+  // 2. per entry warp, the lanes of each bucket (warp-uniform: warp < entry_warps)
+  unsigned peers = 0;
+  if (warp < entry_warps) {
+    const unsigned active = __ballot_sync(kFull, has_entry);
+    if (has_entry) {
+      peers = __match_any_sync(active, b);
+      if (lane == __ffs(peers) - 1) sh.counts[warp][b] = static_cast<uint8_t>(__popc(peers));
+    }
+  }
+  __syncthreads();
+  // 3. per expert: entries and tiles; one scan of both
+  int32_t in = 0, tiles = 0;
+  if (tid < E) {
+    for (int w = 0; w < entry_warps; ++w) in += sh.counts[w][tid];
+    tiles = (in + a.tile_rows - 1) / a.tile_rows;
+  }
+  int32_t total = 0;
+  const int32_t prefix = block_exclusive_scan2((in << 16) | tiles, 0, total, sh.warp_sums);
+  const int32_t first_row = prefix >> 16, first_tile = prefix & 0xFFFF;
+  const int32_t valid = total >> 16;  // entries with an id in [0, E)
+  if (tid < E) {
+    a.expert_offsets[tid] = first_row;
+    sh.first[tid] = first_row;
+    for (int q = 0; q < tiles; ++q) {
+      a.tile_expert[first_tile + q] = tid;
+      a.tile_row_start[first_tile + q] = first_row + q * a.tile_rows;
+    }
+  }
+  if (tid == 0) {
+    a.expert_offsets[E] = valid;  // offsets[E] = the valid entries
+    sh.first[E] = valid;          // invalid ids: rows after every expert
+    *a.num_tiles = total & 0xFFFF;
+  }
+  __syncthreads();  // sh.first
+  // 4. rows
+  if (has_entry) {
+    int32_t rank = __popc(peers & ((1u << lane) - 1u));  // its group's lanes below it in its warp
+    for (int w = 0; w < warp; ++w) rank += sh.counts[w][b];
+    const int32_t row = sh.first[b] + rank;
+    a.row_to_entry[row] = tid;
+    a.entry_to_row[tid] = row;
+  }
+}
+
 }  // namespace fp4moe::kernels::permute_block

@@ -184,20 +184,23 @@ TEST(PermuteKernel, AllTokensOnOneExpert) {
       }
 }
 
-// The one-block path's limit (permute_block::kSmallEntries = 256 entries) and the entry past it.
+// The one-block path's limit (permute_block::kWarpCountEntries = 512 entries) and the entry past it,
+// and the route launch's limit (permute_block::kSmallEntries = 256), which the permute launch crosses
+// with the same kernel.
 TEST(PermuteKernel, SmallPathLimit) {
   FP4MOE_REQUIRE_SM90();
   uint64_t seed = 6000;
-  for (int T : {32, 33}) {
+  for (int T : {32, 33, 64, 65}) {
     run_case(T, 8, 256, 16, IdKind::Distinct, ++seed);
     run_case(T, 8, 16, 16, IdKind::Skewed, ++seed);
     run_case(T, 8, 512, 16, IdKind::SomeInvalid, ++seed);
   }
-  for (int T : {256, 257}) {
+  for (int T : {256, 257, 512, 513}) {
     run_case(T, 1, 16, 16, IdKind::OneExpert, ++seed);
     run_case(T, 1, 128, 16, IdKind::Repeats, ++seed);
   }
   run_case(8, 32, 512, 16, IdKind::Distinct, ++seed);
+  run_case(16, 32, 512, 1, IdKind::OneExpert, ++seed);  // 512 entries, 512 one-row tiles of one expert
 }
 
 TEST(PermuteKernel, RepeatedAndInvalidIds) {

@@ -3,7 +3,7 @@
 // Every routing method, E in {8, 16, 128, 256, 512}, k in {1, 2, 4, 8, 32} (k <= E), fp32 and bf16
 // logits, logits with exact ties, NaN logits, DeepSeekV3 with and without groups, T from 0 to 8193.
 // Outputs are poisoned before each launch; ids must be identical, weights within 1e-6 relative.
-// Where launch_route_permute applies (route_permute_fits: T * k <= 256, T <= 32), every case also runs
+// Where launch_route_permute applies (route_permute_fits: T * k <= 256, T <= 16), every case also runs
 // it and compares its routing and permutation with launch_route then launch_permute, bit for bit.
 #include <gtest/gtest.h>
 
@@ -436,7 +436,7 @@ TEST(RouteKernel, TokenCounts) {
   }
 }
 
-// Every shape that launch_route_permute takes (T * k <= 256, T <= 32; DeepSeekV3 at T = 1): run_case checks the
+// Every shape that launch_route_permute takes (T * k <= 256, T <= 16; DeepSeekV3 at T = 1): run_case checks the
 // one-launch routing and permutation against the two launches, bit for bit.
 TEST(RouteKernel, RoutePermuteOneLaunch) {
   FP4MOE_REQUIRE_SM90();
@@ -480,11 +480,12 @@ TEST(RouteKernel, RoutePermuteOneLaunch) {
 }
 
 TEST(RouteKernel, RoutePermuteRejectsWhatDoesNotFit) {
-  EXPECT_TRUE(kernels::route_permute_fits(params_of(RoutingMethod::Renormalize, 8), 32));
-  EXPECT_FALSE(kernels::route_permute_fits(params_of(RoutingMethod::Renormalize, 8), 33));   // 264 entries
-  EXPECT_FALSE(kernels::route_permute_fits(params_of(RoutingMethod::Renormalize, 16), 17));  // 272 entries
-  EXPECT_TRUE(kernels::route_permute_fits(params_of(RoutingMethod::Llama4, 1), 32));
-  EXPECT_FALSE(kernels::route_permute_fits(params_of(RoutingMethod::Llama4, 1), 33));   // 3 tokens per warp
+  EXPECT_TRUE(kernels::route_permute_fits(params_of(RoutingMethod::Renormalize, 8), 16));
+  EXPECT_FALSE(kernels::route_permute_fits(params_of(RoutingMethod::Renormalize, 8), 17));   // 2 tokens per warp
+  EXPECT_TRUE(kernels::route_permute_fits(params_of(RoutingMethod::Renormalize, 16), 16));  // 256 entries
+  EXPECT_FALSE(kernels::route_permute_fits(params_of(RoutingMethod::Renormalize, 32), 9));   // 288 entries
+  EXPECT_TRUE(kernels::route_permute_fits(params_of(RoutingMethod::Llama4, 1), 16));
+  EXPECT_FALSE(kernels::route_permute_fits(params_of(RoutingMethod::Llama4, 1), 17));   // 2 tokens per warp
   EXPECT_FALSE(kernels::route_permute_fits(params_of(RoutingMethod::Llama4, 1), 128));
   EXPECT_TRUE(kernels::route_permute_fits(params_of(RoutingMethod::DeepSeekV3, 8, 8, 4), 1));
   EXPECT_FALSE(kernels::route_permute_fits(params_of(RoutingMethod::DeepSeekV3, 8, 8, 4), 2));  // a block per token
