@@ -58,12 +58,11 @@ bool weight_close(float got, float want) {
 
 // The permutation outputs of one launch (launch_permute or launch_route_permute), poisoned first; two
 // zero_words ranges set to non-zero words that the launch must clear.
-struct PermuteOutputs {
-  test::PermuteBuffers out;
+struct PermuteOutputs : test::PermuteBuffers {
   DeviceBuffer<int32_t> words;
-  kernels::PermuteArgs& args = out.args;
 
-  PermuteOutputs(const int32_t* ids, int T, int k, int E, int tile_rows) : out(ids, T, k, E, tile_rows, 0xA5) {
+  PermuteOutputs(const int32_t* ids, int T, int k, int E, int tile_rows)
+      : test::PermuteBuffers(ids, T, k, E, tile_rows, 0xA5) {
     words.allocate(40);
     words.poison(0xA5);
     args.zero_words[0] = words.get();
@@ -71,12 +70,11 @@ struct PermuteOutputs {
     args.zero_words[2] = words.get() + 30;
     args.zero_count[2] = 7;
   }
-  bool ok() const { return out.ok() && words.ok(); }
+  bool ok() const { return test::PermuteBuffers::ok() && words.ok(); }
   // Every array, in a fixed order (the whole buffers: poison past the written part must match too).
   std::vector<std::vector<int32_t>> download() const {
-    return {out.offsets.download(),        out.row_to_entry.download(), out.entry_to_row.download(),
-            out.tile_expert.download(),    out.tile_row_start.download(), out.num_tiles.download(),
-            words.download()};
+    return {offsets.download(),     row_to_entry.download(),   entry_to_row.download(), tile_expert.download(),
+            tile_row_start.download(), num_tiles.download(), words.download()};
   }
 };
 
