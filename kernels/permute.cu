@@ -201,8 +201,7 @@ __global__ void __launch_bounds__(kThreads) permute_fused_kernel(const PermuteAr
   scatter_runs(run, sh, a.row_to_entry, a.entry_to_row);
 }
 
-// ---- few entries (T*k <= kSmallEntries): permute_block::permute_small_block_by_warp_counts -----------
-constexpr int kSmallEntries = permute_block::kWarpCountEntries;
+// ---- few entries (T*k <= permute_block::kWarpCountEntries): permute_small_block_by_warp_counts -----
 
 __global__ void __launch_bounds__(kThreads) permute_small_kernel(const PermuteArgs a) {
   dependent_launch_prologue();
@@ -291,7 +290,7 @@ cudaError_t launch_permute(const PermuteArgs& a, cudaStream_t stream) {
   const int64_t n = static_cast<int64_t>(a.num_tokens) * a.top_k;
   // NOTE: T = 0 still launches the small kernel: expert_offsets (all zero) and num_tiles (0) must be
   // written for the GEMMs that follow.
-  if (n <= kSmallEntries) return launch_dependent(permute_small_kernel, dim3(1), dim3(kThreads), 0, stream, a);
+  if (n <= permute_block::kWarpCountEntries) return launch_dependent(permute_small_kernel, dim3(1), dim3(kThreads), 0, stream, a);
   if (n <= kChunk) return launch_dependent(permute_fused_kernel, dim3(1), dim3(kThreads), 0, stream, a);
   if (a.scratch == nullptr) return cudaErrorInvalidValue;
   const int64_t chunks = num_chunks(n);

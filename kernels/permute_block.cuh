@@ -132,7 +132,6 @@ __device__ __forceinline__ void permute_small_block(const PermuteArgs& a, SmallS
   }
 }
 
-
 // ---- up to one entry per thread, counted by entry warps (the permute launch) -----------------------
 // The same permutation as permute_small_block (the same rows, tiles and offsets: the order is stable
 // by entry), for up to kWarpCountEntries = kThreads entries, with its O(n) loops per thread replaced by
@@ -148,9 +147,10 @@ __device__ __forceinline__ void permute_small_block(const PermuteArgs& a, SmallS
 // NOTE: permute_small_block's loops cost ~2.6 us of issue in one SM at n = 256 (129 bucket threads x
 // 256 entries x 5 instructions, SASS count); here each thread reads at most 16 counts per step. From
 // 257 to 512 entries it replaces permute_fused_kernel (a 16 x (E+1) histogram, ~10 block barriers:
-// 7.5 us of stage time at qwen3-235b-a22b T = 64). Used by the permute launch only: in the route launch that permutes (kernels/route.cu) this form made the
-// route stage faster but the qwen3 layers slower at T = 1 and 16 (A/B, docs/perf.md seventeenth
-// session), not explained; there permute_small_block stays.
+// 7.5 us of stage time at qwen3-235b-a22b T = 64). Used by the permute launch only: in the route
+// launch that permutes (kernels/route.cu) this form made the route stage faster but the qwen3 layers
+// slower at T = 1 and 16 (A/B, docs/perf.md seventeenth session), not explained; there
+// permute_small_block stays.
 inline constexpr int kWarpCountEntries = kThreads;  // permute_small_block_by_warp_counts's limit
 inline constexpr int kEntryWarps = kWarpCountEntries / 32;
 inline constexpr int kCountStride = (kMaxBuckets + 3) / 4 * 4;  // bytes per entry warp: whole words
