@@ -12,8 +12,8 @@
 // DeepSeekV3 (sigmoid + bias choice scores, group selection): route_deepseek_block_kernel, one CTA per
 // token and one thread per expert.
 // With RouteArgs::quant_out (scalar w4a4) each token's row of hidden is also written fake-quantized to
-// NVFP4, once: by extra blocks of route_kernel's launch (a thread per 16-element block, in parallel
-// with the routing warps), and by the token's CTA in route_deepseek_block_kernel (quantize_token_row).
+// NVFP4, once, by extra blocks of the routing launch (a thread per 16-element block, in parallel with
+// the routing warps or CTAs: quantize_row_blocks).
 // launch_route_permute (few entries, route_permute_fits): one block of permute_block::kThreads routes
 // every token (a warp per token, or the one DeepSeekV3 token), then permutes the ids it wrote with the
 // permute launch's one-block code (kernels/permute_block.cuh): one launch, and one dependent-launch
@@ -84,12 +84,23 @@ __device__ __forceinline__ void quantize_hidden_block(const RouteArgs& a, int64_
   nvfp4::fake_quantize_block16(x, gs, inv_gs);
   nvfp4::store_bf16x16(a.quant_out + at, x);
 }
-// Token t's row, its blocks strided over `threads` threads from `first`. NOTE: route_deepseek_block_kernel
-// runs this after the token's routing outputs are written, so it delays no later routing step.
-__device__ __forceinline__ void quantize_token_row(const RouteArgs& a, int64_t t, int first, int threads) {
+// The quantizing blocks of a routing launch: block `qb` (counted from the first block past the routing
+// ones) quantizes the 16-element blocks [qb * blockDim, +blockDim) of hidden, a thread each.
+// NOTE: in blocks of their own the rows are quantized while the routing blocks route. In the token's
+// own CTA after its routing (DeepSeekV3, before), the quantization lengthened the route stage by ~2 us
+// at deepseek-r1 T = 8 (10.0 against 7.8 us in w4a16; docs/perf.md seventeenth session); one warp
+// quantizing its token's row after routing it took longer than a gather launch (sixth session).
+__device__ __forceinline__ void quantize_row_blocks(const RouteArgs& a, int64_t qb) {
+  const int64_t i = qb * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  const int per_row = a.hidden_size / nvfp4::kBlock;
+  if (i >= static_cast<int64_t>(a.num_tokens) * per_row) return;
   const float gs = nvfp4::global_inv_scale(a.input_scale[0]);
-  const float inv_gs = __fdiv_rn(1.0f, gs);
-  for (int b = first; b < a.hidden_size / nvfp4::kBlock; b += threads) quantize_hidden_block(a, t, b, gs, inv_gs);
+  quantize_hidden_block(a, i / per_row, static_cast<int>(i % per_row), gs, __fdiv_rn(1.0f, gs));
+}
+// Blocks of `threads` threads that quantize_row_blocks needs for every row (0 without quant_out).
+int64_t quantize_block_count(const RouteArgs& a, int threads) {
+  if (a.quant_out == nullptr) return 0;
+  return (static_cast<int64_t>(a.num_tokens) * (a.hidden_size / nvfp4::kBlock) + threads - 1) / threads;
 }
 
 // Token t's routing by one warp (the steps in the file header). Every lane of the warp calls it.
@@ -225,11 +236,7 @@ __global__ void __launch_bounds__(permute_block::kThreads)
                                    ? 1
                                    : (static_cast<int64_t>(args.num_tokens) + warps - 1) / warps;
   if (blockIdx.x >= route_blocks) {
-    const int64_t i = (blockIdx.x - route_blocks) * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-    const int per_row = args.hidden_size / nvfp4::kBlock;
-    if (i >= static_cast<int64_t>(args.num_tokens) * per_row) return;
-    const float gs = nvfp4::global_inv_scale(args.input_scale[0]);
-    quantize_hidden_block(args, i / per_row, static_cast<int>(i % per_row), gs, __fdiv_rn(1.0f, gs));
+    quantize_row_blocks(args, blockIdx.x - route_blocks);
     return;
   }
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -253,6 +260,7 @@ __global__ void __launch_bounds__(permute_block::kThreads)
 //      one CTA barrier per round
 //   4. thread j < k (warp 0): the weight of slot j from sig, the slot sum in slot order (double), as
 //      route_kernel
+// Blocks past the T token CTAs (RouteArgs::quant_out): quantize_row_blocks, while the token CTAs route.
 __global__ void __launch_bounds__(kMaxExperts) route_deepseek_block_kernel(const RouteArgs args, const PermuteArgs permute) {
   __shared__ float c_sh[kMaxExperts];
   __shared__ uint32_t gkey_sh[kMaxGroups];
@@ -261,6 +269,10 @@ __global__ void __launch_bounds__(kMaxExperts) route_deepseek_block_kernel(const
   __shared__ uint32_t wkey_sh[2][kMaxExperts / 32], wid_sh[2][kMaxExperts / 32];  // by round parity
   __shared__ int32_t ids_sh[kMaxTopK];
   dependent_launch_prologue();
+  if (static_cast<int64_t>(blockIdx.x) >= args.num_tokens) {  // block-uniform, before any barrier
+    quantize_row_blocks(args, blockIdx.x - args.num_tokens);
+    return;
+  }
   const int E = args.num_experts, e = threadIdx.x, lane = e % 32, warp = e / 32, nwarps = blockDim.x / 32;
   const RoutingParams& p = args.params;
   const int k = p.top_k;
@@ -367,7 +379,6 @@ __global__ void __launch_bounds__(kMaxExperts) route_deepseek_block_kernel(const
       args.topk_weights[blockIdx.x * static_cast<int64_t>(k) + e] = __double2float_rn(w);
     }
   }
-  if (args.quant_out != nullptr) quantize_token_row(args, blockIdx.x, threadIdx.x, blockDim.x);
   permute_in_block(permute, ids_sh);  // launch_route_permute: T = 1, one block of permute_block::kThreads
 }
 
@@ -405,15 +416,15 @@ cudaError_t launch_route_kernel(const RouteArgs& args, const PermuteArgs& permut
     if (args.num_tokens > 0x7FFFFFFF) return cudaErrorInvalidValue;
     // NOTE: one thread per expert; the permutation needs the whole permute_block::kThreads block.
     const dim3 block(one_block ? permute_block::kThreads : static_cast<unsigned>((args.num_experts + 31) / 32 * 32));
-    return launch_dependent(route_deepseek_block_kernel, dim3(static_cast<unsigned>(args.num_tokens)), block, 0,
-                            stream, args, permute);
+    const int64_t grid = args.num_tokens + quantize_block_count(args, static_cast<int>(block.x));
+    if (grid > 0x7FFFFFFF) return cudaErrorInvalidValue;
+    return launch_dependent(route_deepseek_block_kernel, dim3(static_cast<unsigned>(grid)), block, 0, stream, args,
+                            permute);
   }
   const dim3 block(one_block ? permute_block::kThreads : kWarpsPerBlock * 32);
   const int64_t warps = block.x / 32;
   int64_t grid = one_block ? 1 : (static_cast<int64_t>(args.num_tokens) + warps - 1) / warps;
-  // + the quantizing blocks: a thread per 16-element block of hidden
-  if (args.quant_out != nullptr)
-    grid += (static_cast<int64_t>(args.num_tokens) * (args.hidden_size / nvfp4::kBlock) + block.x - 1) / block.x;
+  grid += quantize_block_count(args, static_cast<int>(block.x));  // + the quantizing blocks
   if (grid > 0x7FFFFFFF) return cudaErrorInvalidValue;
   const dim3 g(static_cast<unsigned>(grid));
   if (args.num_experts <= 32) return launch_dependent(route_kernel<1>, g, block, 0, stream, args, permute);
