@@ -99,7 +99,7 @@ cudaError_t launch_gemm1_act(const Gemm1Args& args, cudaStream_t stream) {
   sm90gemm::Params p;
   // NOTE: the wgmma kernel's bulk tensor copies read whole row boxes of a permuted `a`; a gathered
   // activation (a_row_to_entry) is the streaming kernel's only.
-  if (!wgmma_tactic(args.tactic) || args.a_row_to_entry || !gemm_detail::gemm1_params(args, p))
+  if (!wgmma_tactic(args.tactic) || args.a_row_to_entry || args.tile_ready || !gemm_detail::gemm1_params(args, p))
     return cudaErrorInvalidValue;
   return launch(p, args.tactic, p.epilogue == sm90gemm::Epilogue::Gemm1Gated, p.out_cols, stream);
 }
@@ -109,7 +109,9 @@ cudaError_t launch_gemm2(const Gemm2Args& args, cudaStream_t stream) {
     return launch_gemm2_stream(args, args.tactic.tile_tokens, args.tactic.split_k2, stream);
   sm90gemm::Params p;
   // NOTE: the fused top-k finalize (finalize_counters) is the streaming kernel's only.
-  if (!wgmma_tactic(args.tactic) || args.finalize_counters || !gemm_detail::gemm2_params(args, p))
+  // NOTE: the per-tile hand-off (tile_ready, GemmEarlyStart::TileReady) is the streaming kernel's only.
+  if (!wgmma_tactic(args.tactic) || args.finalize_counters || args.tile_ready ||
+      args.early_start == GemmEarlyStart::TileReady || !gemm_detail::gemm2_params(args, p))
     return cudaErrorInvalidValue;
   return launch(p, args.tactic, false, args.N, stream);
 }

@@ -3,7 +3,7 @@
 //
 //   1. Check the arguments as launch_gemm1_act / launch_gemm2 do (cudaErrorInvalidValue), plus
 //      tile_rows in {16, 32}, split_k in [1, kMaxStreamSplitK] and, for split_k > 1, the workspace; the
-//      early start (GemmEarlyStart) is one of its modes.
+//      early start (GemmEarlyStart) is one of its modes (TileReady: GEMM2, with tile_ready and its count).
 //   2. The bulk tensor copy maps of the weights and scales (16 row groups per box), encoded on the host.
 //   3. Grid (1-D): max_tiles tiles x split_k x CTAs along N (128 weight rows; gated GEMM1: 64
 //      intermediate columns), 256 threads, StreamTile<>::kSmemBytes of dynamic shared memory (opted in
@@ -48,9 +48,15 @@ bool split_valid(const ExpertGemmArgs& a, int split_k, ss::StreamParams& sp) {
   return true;
 }
 
-// The early start (GemmEarlyStart) into sp; false for a value that is none of the modes.
-bool early_valid(const ExpertGemmArgs& a, ss::StreamParams& sp) {
+// The early start (GemmEarlyStart) and the per-tile hand-off into sp; false for a value that is none of
+// the modes, TileReady on GEMM1 or without its counts, tile_ready on a GEMM2 that does not wait for it.
+bool early_valid(const ExpertGemmArgs& a, bool gemm2, ss::StreamParams& sp) {
   sp.early = a.early_start;
+  sp.tile_ready = a.tile_ready;
+  sp.tile_ready_count = a.tile_ready_count;
+  if (a.early_start == GemmEarlyStart::TileReady)
+    return gemm2 && a.tile_ready != nullptr && aligned(a.tile_ready, 4) && a.tile_ready_count >= 1;
+  if (gemm2 && a.tile_ready != nullptr) return false;
   return a.early_start == GemmEarlyStart::AfterWait || a.early_start == GemmEarlyStart::TileTable;
 }
 
@@ -127,7 +133,7 @@ size_t gemm_stream_counter_bytes(int64_t max_tiles, int64_t N_rows) {
 cudaError_t launch_gemm1_act_stream(const Gemm1Args& args, int tile_rows, int split_k, cudaStream_t stream) {
   ss::StreamParams sp{};
   if (!gemm_stream_tile_supported(tile_rows) || !gemm_detail::gemm1_params(args, sp.base) ||
-      !split_valid(args, split_k, sp) || !early_valid(args, sp))
+      !split_valid(args, split_k, sp) || !early_valid(args, false, sp))
     return cudaErrorInvalidValue;
   return launch(sp, tile_rows, stream);
 }
@@ -135,7 +141,7 @@ cudaError_t launch_gemm1_act_stream(const Gemm1Args& args, int tile_rows, int sp
 cudaError_t launch_gemm2_stream(const Gemm2Args& args, int tile_rows, int split_k, cudaStream_t stream) {
   ss::StreamParams sp{};
   if (!gemm_stream_tile_supported(tile_rows) || !gemm_detail::gemm2_params(args, sp.base) ||
-      !split_valid(args, split_k, sp) || !early_valid(args, sp))
+      !split_valid(args, split_k, sp) || !early_valid(args, true, sp))
     return cudaErrorInvalidValue;
   return launch(sp, tile_rows, stream);
 }

@@ -7,8 +7,8 @@
 // mma.sync m16n8k16; the tokens are the MMA N dimension (swap AB), 8 per mma. Warps meet only
 // through the ring's mbarriers, never at a CTA barrier in the main loop.
 //
-// CTA = 256 threads (8 warps); 4 CTAs per SM with 16-row tiles (53 KiB of shared memory each), 2 with
-// 32-row tiles (105 KiB), over
+// CTA = 256 threads (8 warps); 4 CTAs per SM with 16-row tiles (53 KiB of shared memory each), 3 with
+// 32-row tiles (70 KiB), over
 //   one tile (expert e, <= 16 or 32 token rows) x 128 weight rows x the K chunks of its split:
 //     plain / GEMM2: warp w owns the m16 tile of row groups 16*ntile + 2w (rows g) and 2w+1 (rows g+8);
 //     gated GEMM1:   warp w owns gate row group ig = 8*ntile + w (rows g) and up row group I/8 + ig
@@ -44,6 +44,8 @@
 //               2 columns), activation, bf16 or NVFP4 fake-quantization, the wgmma kernel's arithmetic.
 //        GEMM2: fp32 y[row_to_entry[row] * N + n] from the registers, or the top-1 fused finalize;
 //               with fin_counters (top_k >= 2) y and then the fused finalize of gemm2_finalize_tile.
+//   5. GEMM1 with tile_ready: the CTA signals its tile (signal_tile_ready); a GEMM2 with the early start
+//      TileReady waits for its tile's count (wait_tile_ready) in place of step 1's dependency wait.
 //
 // Shapes (PTX ISA mma.m16n8k16 .row.col .bf16, f32 accumulators; lane = 4g + t):
 //   A 16x16 (weights, registers): a0 = row g cols 2t..2t+1, a1 = row g+8, a2 = row g cols 2t+8.., a3
@@ -118,16 +120,18 @@ struct StreamTile {
   static_assert(TileRows == 16 || TileRows == 32, "tile_tokens is 16 or 32");
   static constexpr int kTileRows = TileRows;
   static constexpr int kHalves = TileRows / 8;                        // n8 accumulator tiles
-  static constexpr int kCtasPerSm = TileRows == 16 ? 4 : 2;          // __launch_bounds__ min blocks
+  static constexpr int kCtasPerSm = TileRows == 16 ? 4 : 3;          // __launch_bounds__ min blocks
   // NOTE (depths): the bytes in flight per SM are those of the per-warp rings this replaced (16-row
   // tiles: 4 CTAs x 2 chunks x 9 KiB ~ 74 KB, which streamed 4.18 TB/s in the copy-only pattern of
-  // bench/micro/weight_stream_pattern.cu); 32-row tiles run 2 CTAs per SM, so they prefetch 3. With
+  // bench/micro/weight_stream_pattern.cu). 32-row tiles: 3 CTAs per SM (80 registers, 4 stages of
+  // 17.5 KiB, prefetch 2) took 0-21% off (geomean 0.90) against 2 per SM with 6 stages, prefetch 3
+  // (16 warps per SM left the decode latency exposed; docs/perf.md, nineteenth session). With
   // 16-row tiles, 3 chunks in flight (slack 1 between the warps) was 3% slower on every decode row,
   // and a ring sized per launch (up to 16 stages for small grids) gained nothing (docs/perf.md).
   // NOTE: the mbarriers sit after the ring; with them in front (under the GEMM1 staging overlay) the
   // GEMM1 tests failed with NaN rows, not explained yet (docs/perf.md, ninth session).
-  static constexpr int kStages = TileRows == 16 ? 4 : 6;
-  static constexpr int kPrefetch = TileRows == 16 ? 2 : 3;
+  static constexpr int kStages = 4;    // 16 rows: 53 KiB per CTA; 32 rows: 70 KiB
+  static constexpr int kPrefetch = 2;
   static constexpr int kActStageBytes = TileRows * kActRowStride;    // 4352 / 8704 B
   static constexpr int kActOffset = kSlotWeightBytes + kSlotScaleBytes;  // in a stage
   static constexpr int kStageBytes = kActOffset + kActStageBytes;   // 13568 / 17920 B
@@ -160,6 +164,8 @@ struct StreamParams {
   int32_t* counters;         // [max_tiles * n_ctas] arrival counters (split_k > 1), zero between launches
   float* partials;           // [max_tiles * n_ctas * split_k][StreamTile::kPartialFloats] (split_k > 1)
   GemmEarlyStart early;      // what the CTA does before its dependency wait (kernels/launch.hpp)
+  int32_t* tile_ready;       // [max_tiles] GEMM1: signalled per tile; GEMM2 (TileReady): waited for; or null
+  int tile_ready_count;      // GEMM2 (TileReady): GEMM1's CTAs along N
 };
 
 // The bulk tensor copy maps of one launch (encoded on the host by gemm_detail::encode_weight_maps with
@@ -423,6 +429,36 @@ __device__ __forceinline__ void gemm2_finalize_tile(const Params& p, int ntile, 
   }
 }
 
+// ---- the GEMM1 -> GEMM2 hand-off per tile (GemmEarlyStart::TileReady) --------------------------------
+// GEMM1: after the CTA barrier that follows every act store of the tile's columns, one thread adds 1
+// (release at gpu scope: cumulative over the stores the barrier ordered before it, as in
+// gemm2_finalize_tile). GEMM2: one thread polls with acquire loads, then a CTA barrier passes that on;
+// the activations are read by cp.async.cg (L2), never a stale L1 line.
+// NOTE (no deadlock): a GEMM2 CTA becomes resident only once every GEMM1 CTA has triggered its
+// dependents (after its own wait) or left, so every GEMM1 CTA it may wait for already runs.
+__device__ __forceinline__ void signal_tile_ready(int32_t* flag) {
+  asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(flag) : "memory");
+}
+__device__ __forceinline__ uint64_t global_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+__device__ __forceinline__ void wait_tile_ready(const int32_t* flag, int count) {
+  auto ready = [&] {
+    int v;
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(flag) : "memory");
+    return v >= count;
+  };
+  if (ready()) return;
+  const uint64_t t0 = global_ns();
+  while (!ready()) {
+    __nanosleep(64);
+    // A GEMM1 that does not signal (a launch-order error) traps here after ~4 s instead of hanging.
+    if (global_ns() - t0 > 4000000000ull) __trap();
+  }
+}
+
 // ---- GEMM1 epilogue: one (token, 2 columns) pair per thread -----------------------------------------
 // The arithmetic of sm90gemm::gemm1_items (activation, then the NVFP4 fake-quantization of each
 // 16-column block), spread finer: pair q of token row r is item r * cols / 2 + q, so the 8 pairs of a
@@ -500,7 +536,8 @@ __global__ void __launch_bounds__(kThreads, StreamTile<TileRows>::kCtasPerSm)
   // NOTE: a tile's weights do not depend on the previous kernels, only which tile (expert) it is; the
   // ring's first chunks then land while the previous kernel still runs instead of after a launch
   // boundary plus an HBM round trip.
-  const bool issue_early = sp.early == GemmEarlyStart::TileTable;
+  const bool issue_early = sp.early != GemmEarlyStart::AfterWait;
+  const bool tile_wait = sp.early == GemmEarlyStart::TileReady;  // GEMM2 only (the launcher checks)
   if (!issue_early) dependent_launch_prologue();
   // NOTE: the grid covers max_tiles(T*k, E, rows) tiles; at decode most are past *num_tiles (deepseek-r1
   // T = 64: 9408 of 16128 GEMM2 CTAs, ncu), so a CTA first finds whether it has a tile, in 32-bit
@@ -519,7 +556,9 @@ __global__ void __launch_bounds__(kThreads, StreamTile<TileRows>::kCtasPerSm)
   const int64_t tile_row0 = __ldcg(p.tile_row_start + tile);
   if (tile >= num_tiles) {  // the whole CTA leaves before any ring barrier
     // NOTE: every CTA waits before it ends, so the grid's completion still implies its predecessors'.
-    if (issue_early) dependent_wait();
+    // With TileReady it does not (it would hold its slot until GEMM1 ends): GEMM2's completion then
+    // implies that every GEMM1 CTA with a tile has signalled, i.e. has stored its act columns.
+    if (issue_early && !tile_wait) dependent_wait();
     return;
   }
   const int ntile = static_cast<int>(bid % n_ctas);
@@ -579,7 +618,13 @@ __global__ void __launch_bounds__(kThreads, StreamTile<TileRows>::kCtasPerSm)
   // Fill group 0 covers every tile row: its lanes zero the idle ones.
   if (warp < C::kCopyWarps && !src.row_ok) zero_idle_act_row<C>(smem_base, warp, lane);
   __syncthreads();  // the barriers are initialised and the idle rows zeroed before any thread arrives or waits
-  if (issue_early) dependent_launch_prologue();  // the activations (and the epilogue's inputs) from here on
+  if (tile_wait) {  // the tile's act columns from here on; the other inputs are >= 2 launches old
+    if (tid == 0) wait_tile_ready(sp.tile_ready + tile, sp.tile_ready_count);
+    __syncthreads();
+    dependent_trigger();
+  } else if (issue_early) {
+    dependent_launch_prologue();  // the activations (and the epilogue's inputs) from here on
+  }
 
   float acc[kHalves][4];
 #pragma unroll
@@ -700,6 +745,10 @@ __global__ void __launch_bounds__(kThreads, StreamTile<TileRows>::kCtasPerSm)
     const int cols_cta = gated ? kRowsPerCta / 2 : kRowsPerCta;
     sm90gemm::gemm1_epilogue<Gemm1Pairs<kStgStride>>(p, stg, ntile * cols_cta, cols_cta, row_start, valid_rows,
                                                      s_act_scale);
+    if (sp.tile_ready != nullptr) {  // kernel-uniform
+      __syncthreads();  // every act store of the CTA
+      if (tid == 0) signal_tile_ready(sp.tile_ready + tile);
+    }
   }
 }
 

@@ -70,8 +70,8 @@ struct PermuteArgs {
   int32_t* num_tiles = nullptr;       // [1]
   void* scratch = nullptr;            // permute_scratch_bytes(T*k, E) bytes
   // Also set to zero by the launch (its one-block kernel), for later kernels of the forward: GEMM2's
-  // fused-finalize counters, the split-K arrival counters. Costs no launch (and no memset) of its own.
-  static constexpr int kZeroRanges = 3;
+  // fused-finalize counters, the split-K arrival counters, the GEMM1 -> GEMM2 tile_ready counts. Costs no launch (and no memset) of its own.
+  static constexpr int kZeroRanges = 4;
   int32_t* zero_words[kZeroRanges] = {};  // range i: [zero_count[i]]
   int64_t zero_count[kZeroRanges] = {};
 };
@@ -150,8 +150,18 @@ PrepackedWeights prepack_expert_weights(const uint8_t* w, const uint8_t* w_scale
 //   TileTable  expert_offsets, tile_expert, tile_row_start and num_tiles are that old: each CTA reads
 //              its tile and issues the weight copies of its ring's first chunks before the wait (the
 //              activations after it), e.g. GEMM1 after a gather_quantize launch that follows permute.
-// The wgmma kernel waits first in every mode (it reads nothing early).
-enum class GemmEarlyStart : int { AfterWait = 0, TileTable = 1 };
+//   TileReady  (GEMM2 only) as TileTable, and instead of waiting for the whole previous launch, each CTA
+//              waits until its tile's GEMM1 CTAs have stored their act columns: tile_ready[tile] ==
+//              tile_ready_count. The previous launch must be a streaming GEMM1 of the same tile table
+//              that signals tile_ready (ExpertGemmArgs::tile_ready); GEMM2's CTAs then run while
+//              GEMM1's last wave drains. A CTA that waits ~4 s without its count traps (a launch-order
+//              error becomes a kernel error, not a hang).
+// The wgmma kernel waits first in every mode but TileReady, which it rejects (it reads nothing early).
+enum class GemmEarlyStart : int { AfterWait = 0, TileTable = 1, TileReady = 2 };
+
+// CTAs along N of a streaming GEMM with N weight rows (128 rows each): GEMM1's is the tile_ready_count
+// of the GEMM2 that follows it.
+inline int64_t gemm_stream_ctas_along_n(int64_t N_rows) { return (N_rows + 127) / 128; }
 
 // Shared by GEMM1 and GEMM2: rows of expert e are [expert_offsets[e], expert_offsets[e+1]).
 struct ExpertGemmArgs {
@@ -177,6 +187,14 @@ struct ExpertGemmArgs {
   // use the same workspace must be stream-ordered.
   void* split_workspace = nullptr;
   GemmEarlyStart early_start = GemmEarlyStart::AfterWait;  // see GemmEarlyStart
+  // Streaming kernel only (else cudaErrorInvalidValue): the per-tile hand-off of GemmEarlyStart::TileReady,
+  // [max_tiles] int32 that must be ZERO WHEN GEMM1 STARTS (the runner's permute launch clears it,
+  // PermuteArgs::zero_words; the GEMMs do not reset it). GEMM1: the CTA that stores an output tile's act
+  // columns (the last split's) then adds 1 to tile_ready[tile] (release, GPU scope). GEMM2 with
+  // early_start TileReady: waits for tile_ready[tile] == tile_ready_count (acquire), the GEMM1's
+  // gemm_stream_ctas_along_n(N); GEMM2 without TileReady takes no tile_ready.
+  int32_t* tile_ready = nullptr;
+  int tile_ready_count = 0;
 };
 // One-time per-device setup of the GEMM kernels (shared-memory opt-in). The launchers call it too,
 // but a caller that captures CUDA graphs calls it before capturing (MoeRunner::prepare_weights does).

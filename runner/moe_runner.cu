@@ -64,7 +64,7 @@ constexpr int kMinTileRows = 16;
 // Offsets of the workspace regions for a given max token count.
 struct WorkspacePlan {
   size_t expert_offsets, row_to_entry, entry_to_row, tile_expert, tile_row_start, num_tiles;
-  size_t permute_scratch, a1, act, y, error_count, split1, split2, finalize_counters;
+  size_t permute_scratch, a1, act, y, error_count, split1, split2, finalize_counters, tile_ready;
   size_t total;
   int64_t max_tiles;
 
@@ -89,6 +89,7 @@ struct WorkspacePlan {
     split1 = take(split1_bytes);
     split2 = take(split2_bytes);
     finalize_counters = take(sizeof(int32_t) * kernels::gemm2_finalize_counter_count(max_tokens, p.hidden));
+    tile_ready = take(sizeof(int32_t) * max_tiles);
     total = at;
   }
 };
@@ -379,6 +380,14 @@ Status GpuMoeRunner::run(cudaStream_t stream, const ForwardArgs& a, bool routed,
     pa.zero_words[2] = region<int32_t>(ws, plan.split2);
     pa.zero_count[2] = static_cast<int64_t>(kernels::gemm_stream_counter_bytes(tiles, p.hidden) / sizeof(int32_t));
   }
+  // NOTE (GEMM1 -> GEMM2 per tile, kernels/launch.hpp GemmEarlyStart::TileReady): with the streaming
+  // kernel, each GEMM2 CTA waits for its own tile's GEMM1 CTAs instead of for the whole GEMM1, so the
+  // GEMM2 CTAs that take the slots of GEMM1's last wave work while it drains. The counts are cleared here.
+  const bool tile_handoff = tactic.kernel == GemmKernel::Sm90Stream;
+  if (tile_handoff) {
+    pa.zero_words[3] = region<int32_t>(ws, plan.tile_ready);
+    pa.zero_count[3] = tiles;
+  }
   // NOTE: with few entries the route launch permutes its ids in its one block (launch_route_permute):
   // one boundary fewer in the chain of dependent launches. The stage mark stays, for the bench.
   const bool permute_in_route = !routed && kernels::route_permute_fits(p.routing, T);
@@ -467,6 +476,7 @@ Status GpuMoeRunner::run(cudaStream_t stream, const ForwardArgs& a, bool routed,
   // another change mixed in.
   const bool stream_kernel = tactic.kernel == GemmKernel::Sm90Stream;
   if (stream_kernel && !gather_in_gemm1) g1.early_start = kernels::GemmEarlyStart::TileTable;
+  if (tile_handoff) g1.tile_ready = pa.zero_words[3];
   FP4MOE_LAUNCH(4, "gemm1_act", kernels::launch_gemm1_act(g1, stream));
 
   kernels::Gemm2Args g2;
@@ -476,6 +486,11 @@ Status GpuMoeRunner::run(cudaStream_t stream, const ForwardArgs& a, bool routed,
   g2.y = region<float>(ws, plan.y);
   g2.split_workspace = region<void>(ws, plan.split2);
   if (stream_kernel) g2.early_start = kernels::GemmEarlyStart::TileTable;
+  if (tile_handoff) {
+    g2.early_start = kernels::GemmEarlyStart::TileReady;
+    g2.tile_ready = pa.zero_words[3];
+    g2.tile_ready_count = static_cast<int>(kernels::gemm_stream_ctas_along_n(p.w13_rows()));
+  }
   // NOTE: with top-1 routing the finalize is one multiply per element: GEMM2 writes the output itself
   // (saves writing and re-reading y). Precomputed ids keep the separate finalize, which turns an
   // out-of-range id (a token without a GEMM row) into a NaN row.

@@ -880,8 +880,9 @@ TEST(ExpertGemmStream, Gemm2ManyTilesPerCta) {
 
 // The early start (kernels/launch.hpp GemmEarlyStart) in a chain the runner launches: permute ->
 // gather_quantize -> GEMM1 -> GEMM2, back to back with dependent launch (so both GEMMs have the tile
-// table two launches back), for every mode pair. Every pair must give the bits of the two launches
-// that wait first, for repeated experts past one tile, ids outside [0, E) and experts without entries.
+// table two launches back), for every mode pair, GEMM2's per-tile wait for GEMM1 (TileReady, its counts
+// cleared by the permute launch) included. Every pair must give the bits of the two launches that wait
+// first, for repeated experts past one tile, ids outside [0, E) and experts without entries.
 // K = 512 and 768: 4 and 6 chunks, past the 4-stage ring's first pass.
 void run_early_start(const std::string& name, int T, int k, int E, const std::vector<int32_t>& ids,
                      const GemmKernelUnderTest& kern, uint32_t seed) {
@@ -907,12 +908,15 @@ void run_early_start(const std::string& name, int T, int k, int E, const std::ve
   const size_t ws1 = kernels::gemm_stream_workspace_bytes(tiles, N1, kern.tile_rows, kern.split_k);
   const size_t ws2 = kernels::gemm_stream_workspace_bytes(tiles, H, kern.tile_rows, kern.split_k);
   DeviceBuffer<uint8_t> d_ws1(std::max<size_t>(ws1, 16)), d_ws2(std::max<size_t>(ws2, 16));
-  ASSERT_TRUE(d_ids.ok() && perm.ok() && d_act.ok() && d_y.ok() && d_ws1.ok() && d_ws2.ok() && dw13.w.ok() &&
-              dw2.w.ok());
+  DeviceBuffer<int32_t> d_ready(static_cast<size_t>(std::max<int64_t>(tiles, 1)));
+  ASSERT_TRUE(d_ids.ok() && perm.ok() && d_act.ok() && d_y.ok() && d_ws1.ok() && d_ws2.ok() && d_ready.ok() &&
+              dw13.w.ok() && dw2.w.ok());
   d_ws1.poison(0);  // zeroed once at allocation
   d_ws2.poison(0);
 
-  const kernels::PermuteArgs& pa = perm.args;
+  kernels::PermuteArgs pa = perm.args;
+  pa.zero_words[3] = d_ready.get();  // the tile_ready counts, cleared by the permutation as in the runner
+  pa.zero_count[3] = tiles;
   auto common = [&](kernels::ExpertGemmArgs& g, const DeviceWeights& dw, const float* alpha, int64_t K, int64_t N) {
     g.w = dw.w.get();
     g.w_scale = dw.s.get();
@@ -961,8 +965,13 @@ void run_early_start(const std::string& name, int T, int k, int E, const std::ve
     d_a1.poison(0xFF);
     d_act.poison(0xFF);
     d_y.poison(0xFF);
+    d_ready.poison(0x01);  // 0x01010101 >= any count: a GEMM2 that read it uncleared would not wait
     g1.early_start = m1;
     g2.early_start = m2;
+    const bool handoff = m2 == GemmEarlyStart::TileReady;
+    g1.tile_ready = handoff ? d_ready.get() : nullptr;
+    g2.tile_ready = handoff ? d_ready.get() : nullptr;
+    g2.tile_ready_count = handoff ? static_cast<int>(kernels::gemm_stream_ctas_along_n(N1)) : 0;
     CUDA_EXPECT(kernels::launch_permute(pa, nullptr));
     CUDA_EXPECT(kernels::launch_gather_quantize(ga, nullptr));
     CUDA_EXPECT(kernels::launch_gemm1_act_stream(g1, kern.tile_rows, kern.split_k, nullptr));
@@ -986,7 +995,9 @@ void run_early_start(const std::string& name, int T, int k, int E, const std::ve
   const std::pair<GemmEarlyStart, GemmEarlyStart> modes[] = {
       {GemmEarlyStart::TileTable, GemmEarlyStart::AfterWait},
       {GemmEarlyStart::TileTable, GemmEarlyStart::TileTable},
-      {GemmEarlyStart::AfterWait, GemmEarlyStart::TileTable}};
+      {GemmEarlyStart::AfterWait, GemmEarlyStart::TileTable},
+      {GemmEarlyStart::TileTable, GemmEarlyStart::TileReady},
+      {GemmEarlyStart::AfterWait, GemmEarlyStart::TileReady}};
   for (const auto& [m1, m2] : modes) {
     SCOPED_TRACE("modes " + std::to_string(static_cast<int>(m1)) + "/" + std::to_string(static_cast<int>(m2)));
     for (int rep = 0; rep < 2; ++rep) {  // twice: the split-K counters are back at zero
@@ -1069,8 +1080,28 @@ TEST(ExpertGemmStream, RejectsBadArguments) {
   fin.tactic = {GemmKernel::Sm90Wgmma, 128, 1, 1};  // the wgmma kernel has no fused top-k finalize
   EXPECT_EQ(kernels::launch_gemm2(fin, nullptr), cudaErrorInvalidValue);
   kernels::Gemm2Args early = g2;  // an early start that is none of the modes
-  early.early_start = static_cast<kernels::GemmEarlyStart>(2);
+  early.early_start = static_cast<kernels::GemmEarlyStart>(3);
   EXPECT_EQ(kernels::launch_gemm2_stream(early, 16, 1, nullptr), cudaErrorInvalidValue);
+  // The per-tile hand-off: TileReady needs tile_ready and a count >= 1, is GEMM2's only, and a GEMM2
+  // takes tile_ready only with it; the wgmma kernel takes neither.
+  early.early_start = kernels::GemmEarlyStart::TileReady;
+  EXPECT_EQ(kernels::launch_gemm2_stream(early, 16, 1, nullptr), cudaErrorInvalidValue);  // no tile_ready
+  early.tile_ready = s.dummy.get();
+  early.tile_ready_count = 0;
+  EXPECT_EQ(kernels::launch_gemm2_stream(early, 16, 1, nullptr), cudaErrorInvalidValue);  // count 0
+  early.tile_ready_count = 2;
+  early.early_start = kernels::GemmEarlyStart::TileTable;
+  EXPECT_EQ(kernels::launch_gemm2_stream(early, 16, 1, nullptr), cudaErrorInvalidValue);  // not waited for
+  early.early_start = kernels::GemmEarlyStart::TileReady;
+  early.tactic = {GemmKernel::Sm90Wgmma, 128, 1, 1};
+  EXPECT_EQ(kernels::launch_gemm2(early, nullptr), cudaErrorInvalidValue);
+  kernels::Gemm1Args ready1 = s.gemm1({GemmKernel::Sm90Stream, 16, 1, 1});
+  ready1.early_start = kernels::GemmEarlyStart::TileReady;  // GEMM2's mode
+  EXPECT_EQ(kernels::launch_gemm1_act(ready1, nullptr), cudaErrorInvalidValue);
+  ready1.early_start = kernels::GemmEarlyStart::AfterWait;
+  ready1.tile_ready = s.dummy.get();
+  ready1.tactic = {GemmKernel::Sm90Wgmma, 128, 1, 1};
+  EXPECT_EQ(kernels::launch_gemm1_act(ready1, nullptr), cudaErrorInvalidValue);
   EXPECT_EQ(kernels::launch_gemm2_stream(g2, 24, 1, nullptr), cudaErrorInvalidValue);  // no 24-row tiles
   EXPECT_EQ(kernels::launch_gemm2_stream(g2, 64, 1, nullptr), cudaErrorInvalidValue);
   EXPECT_TRUE(kernels::gemm_stream_tile_supported(16) && kernels::gemm_stream_tile_supported(32));

@@ -118,19 +118,23 @@ void run_case(int T, int k, int E, int tile_rows, IdKind kind, uint64_t seed) {
   test::PermuteBuffers out(d_ids.get(), T, k, E, tile_rows);
   ASSERT_TRUE(d_ids.ok() && out.ok());
   kernels::PermuteArgs& a = out.args;
-  // The words the launch clears for later kernels (GEMM2's fused-finalize and split-K counters): 7 per
-  // token + 1 in range 0, 3 in range 2, none in range 1.
+  // The words the launch clears for later kernels (GEMM2's fused-finalize and split-K counters, the
+  // tile_ready counts): 7 per token + 1 in range 0, 3 in range 2, none in range 1, tiles_cap in range 3.
   const int64_t zero_count = 7 * static_cast<int64_t>(T) + 1;
-  DeviceBuffer<int32_t> d_zero(static_cast<size_t>(zero_count) + 1), d_zero2(4);
-  ASSERT_TRUE(d_zero.ok() && d_zero2.ok());
+  DeviceBuffer<int32_t> d_zero(static_cast<size_t>(zero_count) + 1), d_zero2(4),
+      d_zero3(static_cast<size_t>(tiles_cap) + 1);
+  ASSERT_TRUE(d_zero.ok() && d_zero2.ok() && d_zero3.ok());
   a.zero_words[0] = d_zero.get();
   a.zero_count[0] = zero_count;
   a.zero_words[2] = d_zero2.get();
   a.zero_count[2] = 3;
+  a.zero_words[3] = d_zero3.get();
+  a.zero_count[3] = tiles_cap;
   // Twice on the same buffers: the result must not depend on what the previous run left behind.
   for (int rep = 0; rep < 2; ++rep) {
     d_zero.poison();
     d_zero2.poison();
+    d_zero3.poison();
     CUDA_ASSERT(kernels::launch_permute(a, nullptr));
     CUDA_ASSERT(cudaDeviceSynchronize());
     const std::vector<int32_t> zeroed = d_zero.download(), zeroed2 = d_zero2.download();
@@ -138,6 +142,9 @@ void run_case(int T, int k, int E, int tile_rows, IdKind kind, uint64_t seed) {
     ASSERT_EQ(zeroed.back(), -1) << "a word past zero_count[0] was written";
     ASSERT_EQ(std::count(zeroed2.begin(), zeroed2.end() - 1, 0), 3) << "zero_words[2] not cleared";
     ASSERT_EQ(zeroed2.back(), -1) << "a word past zero_count[2] was written";
+    const std::vector<int32_t> zeroed3 = d_zero3.download();
+    ASSERT_EQ(std::count(zeroed3.begin(), zeroed3.end() - 1, 0), tiles_cap) << "zero_words[3] not cleared";
+    ASSERT_EQ(zeroed3.back(), -1) << "a word past zero_count[3] was written";
     expect_equal(out.offsets.download(), want.offsets, "expert_offsets");
     expect_equal(out.row_to_entry.download(), want.row_to_entry, "row_to_entry");
     expect_equal(out.entry_to_row.download(), want.entry_to_row, "entry_to_row");
