@@ -349,7 +349,7 @@ Status GpuMoeRunner::run(cudaStream_t stream, const ForwardArgs& a, bool routed,
   pa.tile_row_start = region<int32_t>(ws, plan.tile_row_start);
   pa.num_tiles = region<int32_t>(ws, plan.num_tiles);
   pa.scratch = region<void>(ws, plan.permute_scratch);
-  // NOTE: with at most kFinalizeInGemm2Entries entries the streaming GEMM2 finalizes top-k > 1 itself
+  // NOTE: with at most finalize_in_gemm2_entries entries the streaming GEMM2 finalizes top-k > 1 itself
   // (arrival counters per token and N tile, the last row's CTA sums the slots in order): one launch
   // fewer, and y is re-read right after it is written. The permutation clears the counters. With more
   // entries the finalize launch is faster: the hand-off (a CTA barrier, a gpu-scope fence and atomic,
@@ -359,11 +359,14 @@ Status GpuMoeRunner::run(cudaStream_t stream, const ForwardArgs& a, bool routed,
   // session). With the slot loads issued first (nvfp4::finalize_token8) the fused finalize also wins at
   // 64 entries: fused up to 512 against the launch, w4a16 (sixteenth session): T = 8 (64 entries)
   // qwen3-30b-a3b 0.965, qwen3-235b-a22b 0.982, deepseek-r1 1.001; T = 16 0.989-1.007; T = 64 1.007-1.018.
+  // With GEMM2 waiting per tile (GemmEarlyStart::TileReady), up to 128 entries where H <= 4096 (A/B,
+  // twentieth session, T = 9 / 12 / 16 w4a16, twice: qwen3-30b-a3b 0.95 / 0.97 / 0.97, qwen3-235b-a22b
+  // 0.99-1.00; deepseek-r1, H = 7168, 1.00 / 1.01 / 1.01, so it stays at 64 there).
   // Caller-given ids keep the separate finalize, which turns an out-of-range id (a token with
   // fewer than k GEMM rows) into a NaN row.
-  constexpr int64_t kFinalizeInGemm2Entries = 64;
+  const int64_t finalize_in_gemm2_entries = p.hidden <= 4096 ? 128 : 64;
   const bool finalize_in_gemm2 =
-      k > 1 && !routed && tactic.kernel == GemmKernel::Sm90Stream && entries <= kFinalizeInGemm2Entries;
+      k > 1 && !routed && tactic.kernel == GemmKernel::Sm90Stream && entries <= finalize_in_gemm2_entries;
   if (finalize_in_gemm2) {
     pa.zero_words[0] = region<int32_t>(ws, plan.finalize_counters);
     pa.zero_count[0] = kernels::gemm2_finalize_counter_count(T, p.hidden);

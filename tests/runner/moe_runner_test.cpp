@@ -223,7 +223,9 @@ TEST_P(LayerTactic, MatchesReference) {
     p.act_quant = ActQuant::W4A16;
     run(random_case(p, 1500, 24), "relu2 top-1");
   }
-  for (int64_t T : {1, 5, 40}) {  // decode-sized: K deep enough for every split
+  // decode-sized: K deep enough for every split; T * k = 4, 20, 96 (GEMM2's fused finalize, up to 128
+  // entries for H <= 4096) and 160 (the finalize launch)
+  for (int64_t T : {1, 5, 24, 40}) {
     MoeProblem p;
     p.num_experts = 16;
     p.hidden = 1024;
