@@ -97,9 +97,7 @@ cudaError_t launch_gemm1_act(const Gemm1Args& args, cudaStream_t stream) {
   if (stream_tactic(args.tactic))
     return launch_gemm1_act_stream(args, args.tactic.tile_tokens, args.tactic.split_k1, stream);
   sm90gemm::Params p;
-  // NOTE: the wgmma kernel's bulk tensor copies read whole row boxes of a permuted `a`; a gathered
-  // activation (a_row_to_entry) is the streaming kernel's only.
-  if (!wgmma_tactic(args.tactic) || args.a_row_to_entry || args.tile_ready || !gemm_detail::gemm1_params(args, p))
+  if (!wgmma_tactic(args.tactic) || args.tile_ready || !gemm_detail::gemm1_params(args, p))
     return cudaErrorInvalidValue;
   return launch(p, args.tactic, p.epilogue == sm90gemm::Epilogue::Gemm1Gated, p.out_cols, stream);
 }

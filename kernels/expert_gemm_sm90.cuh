@@ -12,6 +12,9 @@
 //                     weights [32 slots][512 B] + scales [32 slots][64 B] (prepacked; 4-D/5-D maps)
 //                   Slot j < 16 holds row group j of the CTA's first half (gate groups when gated),
 //                   slot 16 + j the matching group of its second half (the matching up groups).
+//                   GEMM1 with the gather fused (a_row_to_entry, `a` un-permuted [T, K]): the whole
+//                   warpgroup copies the activation rows with cp.async instead (producer_gather), into
+//                   the same swizzled slabs; the weights and scales stay bulk tensor copies.
 //   warpgroups 0-1  consumers (setmaxnreg 224); warpgroup c, block b (0..1), warp w own the m16 tile
 //                   mt = 8c + 4b + w: rows g from slot mt, rows g+8 from slot 16 + mt (CTA-local weight
 //                   rows 8mt + g and 128 + 8mt + g; gated: gate and up of intermediate column 8mt + g).
@@ -94,7 +97,7 @@ struct TileConfig {
   static constexpr int kYStride = kBlockN + 4;          // GEMM2 y staging [token][kBlockN] (floats per row)
   static constexpr int kBarrierOffset = kStages * kStageBytes;
   static constexpr int kTokenEntryOffset = kBarrierOffset + 2 * kStages * 8;
-  static constexpr size_t kSmemBytes = 1024 + kTokenEntryOffset + kTileRows * 4;
+  static constexpr size_t kSmemBytes = 1024 + kTokenEntryOffset + kTileRows * 8;  // entries or row addresses
   static_assert(kStageBytes % 1024 == 0, "swizzled activation slabs need 1024-byte alignment");
   static_assert(kBlockN * kStagingStride * 4 <= kStages * kStageBytes, "GEMM1 staging must fit the ring");
   static_assert(kStagingStride % 32 == 8, "float2 staging stores: 16 lanes per phase on distinct banks");
@@ -144,7 +147,7 @@ struct Params {
   const float* act_scale;          // [E]
   __nv_bfloat16* act_out;          // [T*k rows, out_cols]
   int out_cols;                    // I (GEMM1)
-  const int32_t* a_row_to_entry;   // streaming GEMM1 only: GEMM row r reads a[a_row_to_entry[r] / a_top_k]
+  const int32_t* a_row_to_entry;   // GEMM1 only: GEMM row r reads a[a_row_to_entry[r] / a_top_k]
   int a_top_k;                     //   (a un-permuted, [T, K]); nullptr: row r reads a[r]
   // GEMM2
   const int32_t* row_to_entry;     // [rows]
@@ -228,6 +231,11 @@ __device__ __forceinline__ void tma_load_5d(uint32_t dst, const CUtensorMap* map
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, uint32_t src_bytes) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
 }
+// Arrives on the mbarrier once every cp.async the thread issued before has landed (.noinc: the arrival
+// counts against the barrier's expected count).
+__device__ __forceinline__ void cp_async_arrive_noinc(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
+}
 // NOTE: wgmma and bulk copies read shared memory through the async proxy; cp.async and st.shared
 // writes are generic-proxy writes, so the writer fences before it publishes them (the GEMM2
 // epilogue: before the barrier that precedes its bulk stores). TMA writes need no fence; the streaming
@@ -244,10 +252,18 @@ __device__ __forceinline__ void wgmma_wait() {
 __device__ __forceinline__ void consumer_sync() {  // named barrier 1: the 256 consumer threads
   asm volatile("bar.sync 1, %0;" ::"n"(kConsumerThreads) : "memory");
 }
+__device__ __forceinline__ void producer_sync() {  // named barrier 2: the producer warpgroup
+  asm volatile("bar.sync 2, %0;" ::"n"(kProducerThreads) : "memory");
+}
 // Shared-memory loads by 32-bit shared address (volatile: they stay after the mbarrier wait).
 __device__ __forceinline__ uint4 lds128(uint32_t addr) {
   uint4 v;
   asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
+  return v;
+}
+__device__ __forceinline__ uint64_t lds_u64(uint32_t addr) {
+  uint64_t v;
+  asm volatile("ld.shared.u64 %0, [%1];" : "=l"(v) : "r"(addr));
   return v;
 }
 __device__ __forceinline__ float lds_f32(uint32_t addr) {
@@ -433,12 +449,14 @@ __device__ __forceinline__ void consumer_mainloop(const Params& p, uint8_t* smem
   constexpr int kStages = C::kStages, kB = C::kBlocks;
   const int ctid = threadIdx.x;
   const int wg = ctid / 128, warp = (ctid / 32) % 4, lane = ctid % 32, g = lane / 4;
+  const bool gather = p.a_row_to_entry != nullptr;  // GEMM1 with the gather fused (producer_gather)
   uint4 wa[kB], wb[kB];
   uint2 sa[kB], sb[kB];
   // Waits for stage kt's data and loads this thread's weight words and scale codes of it.
   auto load_stage = [&](int kt) {
     const int s = kt % kStages;
     mbar_wait(bar_base + 8 * s, (kt / kStages) & 1);
+    if (gather) fence_proxy_async();  // the gather's cp.async rows (generic proxy), before wgmma reads them
     const uint32_t wsm = smem_addr(smem) + s * C::kStageBytes + C::kActBytes;
     const uint32_t ssm = wsm + C::kWeightBytes;
 #pragma unroll
@@ -558,6 +576,88 @@ __device__ __forceinline__ void producer(const Params& p, const TmaMaps& maps, u
       tma_load_4d(w_base, &maps.w, full, 0, kt, ntile * kSlots, expert);
       tma_load_4d(s_base, &maps.scale, full, 0, kt, ntile * kSlots, expert);
     }
+    if (++s == kStages) {
+      s = 0;
+      if (kt >= kStages) phase ^= 1;
+    }
+  }
+}
+
+// Producer with the gather fused (GEMM1 with Params::a_row_to_entry: `a` is the un-permuted [T, K] and
+// tile row r reads token a_row_to_entry[row_start + r] / a_top_k). Every thread of the producer
+// warpgroup runs it:
+//   1. the address of each valid tile row's activation row goes to shared memory (row_ptr); rows
+//      [valid_rows, wgmma width) of every stage are zeroed once (no copy ever writes them).
+//   2. thread (sub = ptid / 8, c = ptid % 8) owns rows r = sub + 16 i of the tile and 16-byte column c
+//      of each 64-wide slab. Per chunk kt (stage s): wait `empty`; thread 0 announces the weight and
+//      scale bytes on full[s] and issues their bulk tensor copies; every thread copies its pieces of
+//      the valid rows with cp.async, written where the 128-byte swizzle of the bulk tensor copy puts
+//      them (chunk c of row r at r * 128 + (c ^ (r % 8)) * 16; columns past K zero-filled), then
+//      arrives on full[s] when they land (cp.async.mbarrier.arrive.noinc: kProducerThreads arrivals
+//      besides the expect_tx one), without waiting for them.
+// NOTE: cp.async (and st.shared) write through the generic proxy and wgmma reads through the async
+// proxy: the consumers fence (fence.proxy.async) after their wait on full[s] when the gather is on. A
+// fence on the producer side would need the producer to wait for its copies: its MEMBAR waits for
+// every copy in flight, which held the ring to about one chunk in flight (GEMM1 up to 1.18x slower;
+// 1.52x with a warp per chunk). The consumers' fence costs little: without it (a bound, not correct)
+// and with a relay thread fencing for them, GEMM1 stays 1.03-1.10x slower than with bulk tensor copies
+// of permuted rows; the layer still gains (no gather_quantize launch; docs/perf.md).
+// NOTE: a warp's copy covers 4 rows x 128 contiguous bytes (8 lanes per row): whole 32-byte sectors.
+// NOTE: the row addresses live in shared memory, read once per copy: held in registers (16 per thread
+// with 256-token tiles) they spilled at the producer's 56 registers.
+template <class C>
+__device__ __forceinline__ void producer_gather(const Params& p, const TmaMaps& maps, uint8_t* smem, uint32_t bar_base,
+                                                uint64_t* row_ptr, int expert, int ntile, int row_start,
+                                                int valid_rows, int width) {
+  constexpr int kStages = C::kStages, kSlots = C::kSlots, kRowsPerThread = C::kTileRows / 16;
+  static_assert(kProducerThreads == 128, "8 threads per 128-byte row piece, 16 rows per pass");
+  const int ptid = static_cast<int>(threadIdx.x) - kConsumerThreads;
+  const int sub = ptid / 8, c = ptid % 8;
+  const bool leader = ptid == 0;
+  const bool gated = p.epilogue == Epilogue::Gemm1Gated;
+  for (int r = ptid; r < valid_rows; r += kProducerThreads)
+    row_ptr[r] = reinterpret_cast<uint64_t>(p.a + static_cast<int64_t>(p.a_row_to_entry[row_start + r] / p.a_top_k) * p.K);
+  // Rows [valid_rows, width) of every stage and slab: 16 bytes per thread and step.
+  const int zero_pieces = (width - valid_rows) * 8;
+  for (int z = ptid; z < kStages * 2 * zero_pieces; z += kProducerThreads) {
+    const int st = z / (2 * zero_pieces), rem = z % (2 * zero_pieces), slab = rem / zero_pieces, q = rem % zero_pieces;
+    sts128_zero(smem_addr(smem) + st * C::kStageBytes + slab * C::kSlabBytes + (valid_rows + q / 8) * 128 + (q % 8) * 16);
+  }
+  producer_sync();  // row_ptr is written
+  const uint32_t ptr_addr = smem_addr(row_ptr) + static_cast<uint32_t>(sub * 8);
+  const uint32_t dst_thread = static_cast<uint32_t>(sub * 128 + ((c ^ (sub & 7)) * 16));  // (r & 7) == (sub & 7)
+  if (leader) {
+    tma_prefetch(&maps.w);
+    tma_prefetch(&maps.scale);
+  }
+  int s = 0, phase = 0;
+  for (int kt = 0; kt < p.chunks; ++kt) {
+    if (kt >= kStages) mbar_wait(bar_base + 8 * (kStages + s), phase);
+    const uint32_t full = bar_base + 8 * s;
+    const uint32_t act_base = smem_addr(smem) + s * C::kStageBytes;  // (2 slabs, tile rows, 128 B)
+    if (leader) {
+      const uint32_t w_base = act_base + C::kActBytes;   // (kSlots, 512 B)
+      const uint32_t s_base = w_base + C::kWeightBytes;  // (kSlots, 64 B)
+      mbar_arrive_expect_tx(full, C::kWeightBytes + C::kScaleBytes);
+      if (gated) {
+        tma_load_5d(w_base, &maps.w, full, 0, kt, ntile * (kSlots / 2), 0, expert);
+        tma_load_5d(s_base, &maps.scale, full, 0, kt, ntile * (kSlots / 2), 0, expert);
+      } else {
+        tma_load_4d(w_base, &maps.w, full, 0, kt, ntile * kSlots, expert);
+        tma_load_4d(s_base, &maps.scale, full, 0, kt, ntile * kSlots, expert);
+      }
+    }
+    const int col = kt * fp4layout::kChunkK + c * 8;  // first of the 8 columns of slab 0 (slab 1: +64)
+    const uint32_t bytes0 = col < p.K ? 16u : 0u, bytes1 = col + 64 < p.K ? 16u : 0u;  // K % 16 == 0
+#pragma unroll
+    for (int i = 0; i < kRowsPerThread; ++i) {
+      if (16 * i + sub >= valid_rows) break;
+      const __nv_bfloat16* src = reinterpret_cast<const __nv_bfloat16*>(lds_u64(ptr_addr + i * 16 * 8)) + col;
+      const uint32_t dst = act_base + dst_thread + static_cast<uint32_t>(i * 16 * 128);
+      cp_async16(dst, src, bytes0);
+      cp_async16(dst + C::kSlabBytes, src + 64, bytes1);
+    }
+    cp_async_arrive_noinc(full);  // when this thread's copies (so far) have landed
     if (++s == kStages) {
       s = 0;
       if (kt >= kStages) phase ^= 1;
@@ -710,10 +810,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (valid_rows <= 0) return;
 
   const uint32_t bar_base = smem_addr(smem + C::kBarrierOffset);  // full[s] at 8s, empty[s] at 8(kStages+s)
-  int32_t* tok_entry = reinterpret_cast<int32_t*>(smem + C::kTokenEntryOffset);
+  int32_t* tok_entry = reinterpret_cast<int32_t*>(smem + C::kTokenEntryOffset);  // GEMM2: entry of each tile row
+  uint64_t* row_ptr = reinterpret_cast<uint64_t*>(smem + C::kTokenEntryOffset);  // gathered GEMM1: row addresses
+  const bool gather = p.a_row_to_entry != nullptr;  // GEMM1 only (the launcher checks)
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
-      mbar_init(bar_base + 8 * s, 1);                                 // the producer's expect_tx arrival
+      mbar_init(bar_base + 8 * s, gather ? 1 + kProducerThreads : 1);  // expect_tx (+ the gather's) arrivals
       mbar_init(bar_base + 8 * (kStages + s), kConsumerThreads);      // every consumer thread
     }
     mbar_init_fence();
@@ -722,7 +824,10 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   if (threadIdx.x >= kConsumerThreads) {
     setmaxnreg_dec<kProducerRegs>();
-    if (threadIdx.x == kConsumerThreads)
+    if (gather)
+      producer_gather<C>(p, maps, smem, bar_base, row_ptr, expert, ntile, static_cast<int>(row_start), valid_rows,
+                         wgmma_width<C>(valid_rows));
+    else if (threadIdx.x == kConsumerThreads)
       producer<C>(p, maps, smem, bar_base, expert, ntile, static_cast<int>(row_start), wgmma_width<C>(valid_rows));
     return;
   }

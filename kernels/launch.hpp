@@ -42,7 +42,7 @@ struct RouteArgs {
   float* topk_weights = nullptr; // [T, k]
   // Optional, W4A4 with a scalar input scale: the route kernel also writes each token's row of hidden
   // fake-quantized to NVFP4 (q * sf in bf16, gather_quantize's scalar arithmetic) to quant_out: the
-  // operand that the streaming GEMM1 gathers per entry (Gemm1Args::a_row_to_entry).
+  // operand that GEMM1 gathers per entry (Gemm1Args::a_row_to_entry).
   __nv_bfloat16* quant_out = nullptr;     // [T, H] or nullptr
   const __nv_bfloat16* hidden = nullptr;  // [T, H], 16-byte aligned
   int hidden_size = 0;                    // H, a multiple of 16
@@ -210,9 +210,9 @@ struct Gemm1Args : ExpertGemmArgs {
   ActQuant mode = ActQuant::W4A16;
   const float* act_scale = nullptr;       // [E] w2_input_scale (w4a4 re-quantization), else unused
   __nv_bfloat16* act = nullptr;           // [T*k, I]
-  // Streaming kernel (sm90_stream) only, else cudaErrorInvalidValue: the gather fused into GEMM1's
-  // activation copies. `a` is then the un-permuted activation [T, K] (rows = T) and GEMM row r reads
-  // a[a_row_to_entry[r] / a_top_k] (the permute kernel's row_to_entry, entry = token * top_k + slot).
+  // The gather fused into GEMM1's activation copies (both kernels). `a` is then the un-permuted
+  // activation [T, K] (rows = T) and GEMM row r reads a[a_row_to_entry[r] / a_top_k] (the permute
+  // kernel's row_to_entry, entry = token * top_k + slot).
   const int32_t* a_row_to_entry = nullptr;
   int a_top_k = 0;                        // >= 1 with a_row_to_entry
 };

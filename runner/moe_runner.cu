@@ -327,15 +327,15 @@ Status GpuMoeRunner::run(cudaStream_t stream, const ForwardArgs& a, bool routed,
 
   if (marks) cudaEventRecord(marks[0], stream);
   if (routed && marks) cudaEventRecord(marks[1], stream);
-  // NOTE: with the streaming kernel, GEMM1 gathers its activation rows itself (row -> entry -> token),
-  // so the gather_quantize launch is skipped: w4a16 reads the hidden rows, scalar w4a4 the rows that the
-  // route kernel quantized once per token (into a1 as [T, H]). One launch and T*k row copies fewer.
-  // Per-expert w4a4 (a scale per copy), the router weight on the input and caller-given ids keep it.
-  // (The route kernel quantizes in the CTA of each token for DeepSeekV3 routing, in blocks of its own
-  // beside the routing warps for the other methods.)
-  const bool stream_gemm = tactic.kernel == GemmKernel::Sm90Stream && !p.routing.apply_router_weight_on_input;
-  const bool quantize_in_route = stream_gemm && !routed && p.act_quant == ActQuant::W4A4Scalar;
-  const bool gather_in_gemm1 = stream_gemm && (p.act_quant == ActQuant::W4A16 || quantize_in_route);
+  // NOTE: GEMM1 (either kernel) gathers its activation rows itself (row -> entry -> token), so the
+  // gather_quantize launch is skipped: w4a16 reads the hidden rows, scalar w4a4 the rows that the route
+  // kernel quantized once per token (into a1 as [T, H]). One launch and T*k row copies (written, then
+  // read again by GEMM1) fewer. Per-expert w4a4 (a scale per copy), the router weight on the input and
+  // caller-given ids with w4a4 keep it. (The route kernel quantizes in the CTA of each token for
+  // DeepSeekV3 routing, in blocks of its own beside the routing warps for the other methods.)
+  const bool gather_ok = !p.routing.apply_router_weight_on_input;
+  const bool quantize_in_route = gather_ok && !routed && p.act_quant == ActQuant::W4A4Scalar;
+  const bool gather_in_gemm1 = gather_ok && (p.act_quant == ActQuant::W4A16 || quantize_in_route);
   kernels::PermuteArgs pa;
   pa.topk_ids = ids;
   pa.num_tokens = T;
