@@ -237,11 +237,11 @@ __device__ __forceinline__ void cp_async_arrive_noinc(uint32_t bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
 }
 // NOTE: wgmma and bulk copies read shared memory through the async proxy; cp.async and st.shared
-// writes are generic-proxy writes, so the writer fences before it publishes them (the GEMM2
-// epilogue: before the barrier that precedes its bulk stores). TMA writes need no fence; the streaming
-// kernel's cp.async activation rows are read by ldmatrix, a generic-proxy read, so need none either. (A
-// fence on the consumer side, after the barrier wait, costs a MEMBAR.ALL.CTA per stage in the
-// consumer warps, right in the wgmma stream.)
+// writes are generic-proxy writes, so a fence sits between them: the writer's before it publishes
+// (the GEMM2 epilogue: before the barrier that precedes its bulk stores), or the reader's after its
+// barrier wait (the gathered GEMM1's cp.async rows: see producer_gather). TMA writes need no fence; the
+// streaming kernel's cp.async activation rows are read by ldmatrix, a generic-proxy read, so need none
+// either.
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
