@@ -532,6 +532,23 @@ __device__ __forceinline__ void consumer_mainloop(const Params& p, uint8_t* smem
     for (int i = 0; i < C::kAcc; ++i) fence_operand(acc[b][i]);
 }
 
+// The bulk tensor copies of chunk kt's weight and scale slots of N tile ntile into a stage (w_base:
+// (kSlots, 512 B), s_base: (kSlots, 64 B)), completing on `full`. Gated GEMM1's maps are
+// (expert, half, group pair, chunk): slots [gate groups][up groups]; the others (expert, group, chunk):
+// kSlots consecutive groups.
+template <class C>
+__device__ __forceinline__ void load_weight_slots(const TmaMaps& maps, uint32_t w_base, uint32_t s_base, uint32_t full,
+                                                  int kt, int ntile, int expert, bool gated) {
+  constexpr int kSlots = C::kSlots;
+  if (gated) {
+    tma_load_5d(w_base, &maps.w, full, 0, kt, ntile * (kSlots / 2), 0, expert);
+    tma_load_5d(s_base, &maps.scale, full, 0, kt, ntile * (kSlots / 2), 0, expert);
+  } else {
+    tma_load_4d(w_base, &maps.w, full, 0, kt, ntile * kSlots, expert);
+    tma_load_4d(s_base, &maps.scale, full, 0, kt, ntile * kSlots, expert);
+  }
+}
+
 // Producer (one thread of the producer warpgroup): the bulk tensor copies of every K chunk into the
 // ring. Stage s of chunk kt: wait until the consumers released it (chunk kt - kStages), announce the
 // stage's bytes on full[s], then rows [0, width) of the 2 activation slabs (width / kActBoxRows boxes
@@ -543,7 +560,7 @@ __device__ __forceinline__ void consumer_mainloop(const Params& p, uint8_t* smem
 template <class C>
 __device__ __forceinline__ void producer(const Params& p, const TmaMaps& maps, uint8_t* smem, uint32_t bar_base,
                                          int expert, int ntile, int row_start, int width) {
-  constexpr int kStages = C::kStages, kSlots = C::kSlots, kBox = C::kActBoxRows;
+  constexpr int kStages = C::kStages, kBox = C::kActBoxRows;
   const bool gated = p.epilogue == Epilogue::Gemm1Gated;
   const int boxes = (width + kBox - 1) / kBox;  // per slab
   const uint32_t stage_bytes = static_cast<uint32_t>(2 * boxes * kBox * 128 + C::kWeightBytes + C::kScaleBytes);
@@ -569,13 +586,7 @@ __device__ __forceinline__ void producer(const Params& p, const TmaMaps& maps, u
         tma_load_2d(act_base + C::kSlabBytes + bx * kBox * 128, &maps.act, full, kcol + 64, row_start + bx * kBox);
       }
     }
-    if (gated) {  // (expert, half, group pair, chunk): slots [gate groups][up groups]
-      tma_load_5d(w_base, &maps.w, full, 0, kt, ntile * (kSlots / 2), 0, expert);
-      tma_load_5d(s_base, &maps.scale, full, 0, kt, ntile * (kSlots / 2), 0, expert);
-    } else {  // (expert, group, chunk): kSlots consecutive groups
-      tma_load_4d(w_base, &maps.w, full, 0, kt, ntile * kSlots, expert);
-      tma_load_4d(s_base, &maps.scale, full, 0, kt, ntile * kSlots, expert);
-    }
+    load_weight_slots<C>(maps, w_base, s_base, full, kt, ntile, expert, gated);
     if (++s == kStages) {
       s = 0;
       if (kt >= kStages) phase ^= 1;
@@ -600,8 +611,9 @@ __device__ __forceinline__ void producer(const Params& p, const TmaMaps& maps, u
 // fence on the producer side would need the producer to wait for its copies: its MEMBAR waits for
 // every copy in flight, which held the ring to about one chunk in flight (GEMM1 up to 1.18x slower;
 // 1.52x with a warp per chunk). The consumers' fence costs little: without it (a bound, not correct)
-// and with a relay thread fencing for them, GEMM1 stays 1.03-1.10x slower than with bulk tensor copies
-// of permuted rows; the layer still gains (no gather_quantize launch; docs/perf.md).
+// GEMM1 is still up to 1.07x slower than with bulk tensor copies of permuted rows (up to 1.10x with a
+// relay thread fencing for the consumers); the layer still gains (no gather_quantize launch;
+// docs/perf.md, twenty-third session).
 // NOTE: a warp's copy covers 4 rows x 128 contiguous bytes (8 lanes per row): whole 32-byte sectors.
 // NOTE: the row addresses live in shared memory, read once per copy: held in registers (16 per thread
 // with 256-token tiles) they spilled at the producer's 56 registers.
@@ -609,7 +621,7 @@ template <class C>
 __device__ __forceinline__ void producer_gather(const Params& p, const TmaMaps& maps, uint8_t* smem, uint32_t bar_base,
                                                 uint64_t* row_ptr, int expert, int ntile, int row_start,
                                                 int valid_rows, int width) {
-  constexpr int kStages = C::kStages, kSlots = C::kSlots, kRowsPerThread = C::kTileRows / 16;
+  constexpr int kStages = C::kStages, kRowsPerThread = C::kTileRows / 16;
   static_assert(kProducerThreads == 128, "8 threads per 128-byte row piece, 16 rows per pass");
   const int ptid = static_cast<int>(threadIdx.x) - kConsumerThreads;
   const int sub = ptid / 8, c = ptid % 8;
@@ -639,13 +651,7 @@ __device__ __forceinline__ void producer_gather(const Params& p, const TmaMaps& 
       const uint32_t w_base = act_base + C::kActBytes;   // (kSlots, 512 B)
       const uint32_t s_base = w_base + C::kWeightBytes;  // (kSlots, 64 B)
       mbar_arrive_expect_tx(full, C::kWeightBytes + C::kScaleBytes);
-      if (gated) {
-        tma_load_5d(w_base, &maps.w, full, 0, kt, ntile * (kSlots / 2), 0, expert);
-        tma_load_5d(s_base, &maps.scale, full, 0, kt, ntile * (kSlots / 2), 0, expert);
-      } else {
-        tma_load_4d(w_base, &maps.w, full, 0, kt, ntile * kSlots, expert);
-        tma_load_4d(s_base, &maps.scale, full, 0, kt, ntile * kSlots, expert);
-      }
+      load_weight_slots<C>(maps, w_base, s_base, full, kt, ntile, expert, gated);
     }
     const int col = kt * fp4layout::kChunkK + c * 8;  // first of the 8 columns of slab 0 (slab 1: +64)
     const uint32_t bytes0 = col < p.K ? 16u : 0u, bytes1 = col + 64 < p.K ? 16u : 0u;  // K % 16 == 0
