@@ -328,11 +328,11 @@ std::vector<BenchRow> bench_weights(const std::string& model, const MoeProblem& 
 
 std::vector<TuneEntry> tune_problem(const std::string& label, const MoeProblem& p, const TuneProfileOptions& o) {
   check(o.reps >= 5, "tune: reps must be >= 5, got ", o.reps);
-  check(o.max_tokens >= 1, "tune: max_tokens must be >= 1, got ", o.max_tokens);
+  check(!o.tokens.empty() || o.max_tokens >= 1, "tune: max_tokens must be >= 1, got ", o.max_tokens);
   check(p.routing.method != RoutingMethod::Precomputed, "tune: a problem with precomputed routing cannot be tuned from logits");
-  std::vector<int> buckets;  // bucket 0 (T = 0) launches nothing
-  for (int b = 1; b < num_buckets() && bucket_range(b).representative <= o.max_tokens; ++b) buckets.push_back(b);
-  check(!buckets.empty(), "tune: no bucket up to max_tokens ", o.max_tokens);
+  const std::vector<int> buckets = buckets_to_tune(o.max_tokens, o.tokens);  // never bucket 0 (T = 0)
+  check(!buckets.empty(), o.tokens.empty() ? detail::concat("tune: no bucket up to max_tokens ", o.max_tokens)
+                                           : std::string("tune: no token count >= 1 given"));
   const int64_t max_t = bucket_range(buckets.back()).representative;
   const std::vector<MoeTactic> candidates = candidate_tactics(p);
   if (o.progress) std::fprintf(stderr, "tune %s: preparing random NVFP4 weights ...\n", label.c_str());

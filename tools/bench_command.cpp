@@ -24,6 +24,8 @@ std::vector<std::string> split(const std::string& s) {
   return v;
 }
 
+}  // namespace
+
 std::vector<int64_t> parse_tokens(const std::string& s) {
   std::vector<int64_t> v;
   for (const std::string& item : split(s)) {
@@ -40,8 +42,6 @@ std::vector<int64_t> parse_tokens(const std::string& s) {
   check(!v.empty(), "--tokens: no token counts given");
   return v;
 }
-
-}  // namespace
 
 void add_bench_command(CLI::App& app, BenchCommandOptions& o) {
   CLI::App* b = app.add_subcommand("bench", "Time the layer against its floor (CUDA-graph replay, cold L2)");

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace fp4moe::tools {
 
@@ -23,5 +24,7 @@ struct BenchCommandOptions {
 
 void add_bench_command(CLI::App& app, BenchCommandOptions& options);
 int run_bench_command(const BenchCommandOptions& options);
+// A --tokens list ("1,2,4"): integers >= 1; throws fp4moe::Error naming the bad item (also `fp4moe tune`).
+std::vector<int64_t> parse_tokens(const std::string& list);
 
 }  // namespace fp4moe::tools

@@ -1,6 +1,8 @@
 // tools/tune_command.cpp — `fp4moe tune`: --show prints the tuning cache; profiling is run_tune_profile.
 #include "tools/tune_command.hpp"
 
+#include "tools/bench_command.hpp"  // parse_tokens
+
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -35,9 +37,13 @@ std::string format_us(double us) {
 void add_tune_command(CLI::App& app, TuneOptions& o) {
   CLI::App* c = app.add_subcommand("tune", "Profile the tactics per token-count bucket into the tune cache, or show it");
   c->add_option("--model", o.models, "Preset name(s), comma-separated (profiling)");
-  c->add_option("--max-tokens", o.max_tokens, "Largest token count to tune for (profiling)")
-      ->capture_default_str()
-      ->check(CLI::Range(int64_t(1), kLastClosedBucketEnd));
+  CLI::Option* max_tokens = c->add_option("--max-tokens", o.max_tokens, "Largest token count to tune for (profiling)")
+                                ->capture_default_str()
+                                ->check(CLI::Range(int64_t(1), kLastClosedBucketEnd));
+  c->add_option("--tokens", o.tokens,
+                "Tune only the buckets of these token counts, comma-separated, e.g. 512,1024 (profiling; instead of "
+                "--max-tokens)")
+      ->excludes(max_tokens);
   c->add_option("--mode", o.mode, "w4a16, w4a4_scalar or w4a4_per_expert (profiling)")->capture_default_str();
   c->add_option("--cache", o.cache, "Tune cache file (default: FP4MOE_TUNE_CACHE, else ./fp4moe-tune-cache.json)");
   c->add_flag("--show", o.show, "Print the cache as a table instead of profiling");
@@ -89,12 +95,6 @@ int show_tune_cache(const std::string& path) {
 }
 
 int run_tune_profile(const TuneOptions& o) {
-  std::string why;
-  if (!cuda_device_available(&why)) {
-    std::fprintf(stderr, "fp4moe tune: profiling needs a Hopper GPU (%s); `fp4moe tune --show` prints an existing cache\n",
-                 why.c_str());
-    return 2;
-  }
   check(!o.models.empty(), "tune: --model PRESET[,PRESET] is required (or --show)");
   std::vector<std::string> models;
   for (size_t at = 0; at <= o.models.size();) {
@@ -104,6 +104,15 @@ int run_tune_profile(const TuneOptions& o) {
   }
   const ActQuant mode = parse_act_quant(o.mode, "--mode");
   for (const std::string& m : models) (void)preset(m, mode);  // unknown names fail before any GPU work
+  TuneProfileOptions po;
+  po.max_tokens = o.max_tokens;
+  if (!o.tokens.empty()) po.tokens = parse_tokens(o.tokens);
+  std::string why;
+  if (!cuda_device_available(&why)) {
+    std::fprintf(stderr, "fp4moe tune: profiling needs a Hopper GPU (%s); `fp4moe tune --show` prints an existing cache\n",
+                 why.c_str());
+    return 2;
+  }
   const std::string path = o.cache.empty() ? default_tune_cache_path() : o.cache;
   TuneCache cache;
   std::error_code ec;
@@ -111,8 +120,6 @@ int run_tune_profile(const TuneOptions& o) {
     const CacheLoadResult loaded = cache.load(path);
     for (const std::string& w : loaded.warnings) std::fprintf(stderr, "fp4moe: warning: %s\n", w.c_str());
   }
-  TuneProfileOptions po;
-  po.max_tokens = o.max_tokens;
   for (const std::string& m : models) {
     const auto t0 = std::chrono::steady_clock::now();
     const std::vector<TuneEntry> entries = tune_problem(m, preset(m, mode), po);

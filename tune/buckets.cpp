@@ -7,6 +7,7 @@
 #include <array>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "fp4moe/error.hpp"
 #include "fp4moe/tune.hpp"
@@ -46,6 +47,19 @@ BucketRange bucket_range(int b) {
   if (b == kNumBuckets - 1) return {kLastClosedBucketEnd + 1, INT64_MAX, kOpenBucketRepresentative};
   const int64_t lo = b == 0 ? 0 : kBucketEnds[b - 1] + 1;
   return {lo, kBucketEnds[b], kBucketEnds[b]};
+}
+
+std::vector<int> buckets_to_tune(int64_t max_tokens, const std::vector<int64_t>& tokens) {
+  std::vector<int> out;
+  if (tokens.empty()) {
+    for (int b = 1; b < kNumBuckets && bucket_range(b).representative <= max_tokens; ++b) out.push_back(b);
+    return out;
+  }
+  for (int64_t T : tokens)
+    if (const int b = bucket_of(T); b > 0) out.push_back(b);
+  std::sort(out.begin(), out.end());
+  out.erase(std::unique(out.begin(), out.end()), out.end());
+  return out;
 }
 
 std::string describe_bucket(int b) {

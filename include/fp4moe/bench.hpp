@@ -82,11 +82,12 @@ std::vector<BenchRow> bench_weights(const std::string& label, const MoeProblem& 
 // ---- tuning (`fp4moe tune`) ----
 struct TuneProfileOptions {
   int64_t max_tokens = 16384;  // buckets whose representative T is <= this (bucket 0, T = 0, has no work)
+  std::vector<int64_t> tokens;  // when not empty: only the buckets of these T (max_tokens is ignored)
   int reps = 15;               // timed graph replays per (bucket, tactic), L2 flushed before each
   uint64_t seed = 1;
   bool progress = true;        // a progress line on stderr
 };
-// For every bucket up to max_tokens: times every candidate tactic of the problem (candidate_tactics)
+// For every bucket of buckets_to_tune(max_tokens, tokens): times every candidate tactic of the problem (candidate_tactics)
 // at the bucket's representative T on random weights and inputs routed by the problem's method
 // (CUDA-graph replays, median), and returns one entry per bucket with the fastest tactic and the
 // heuristic's time. Screening: the heuristic is timed first with `reps` replays; the others with as

@@ -104,6 +104,10 @@ int bucket_of(int64_t T);
 BucketRange bucket_range(int b);
 // e.g. "[17, 17]", "[33, 40]", "[1048577, inf)"
 std::string describe_bucket(int b);
+// The buckets `fp4moe tune` profiles, in increasing order: when `tokens` is empty every bucket from 1
+// whose representative is <= max_tokens, otherwise the buckets holding the given T (each counted
+// once; T = 0, bucket 0, launches nothing and is skipped). Throws fp4moe::Error for a T < 0.
+std::vector<int> buckets_to_tune(int64_t max_tokens, const std::vector<int64_t>& tokens);
 
 // ---- cache file ----------------------------------------------------------------------------------------
 //

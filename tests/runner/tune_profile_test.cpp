@@ -1,7 +1,7 @@
 // tests/runner/tune_profile_test.cpp — tune_problem (what `fp4moe tune` profiles) on the tiny preset:
-// one entry per bucket up to max_tokens, in order, each naming a candidate tactic, the bucket's
-// heuristic and positive times, and a tuned tactic that is either the heuristic (with its time) or at
-// least 1.5% faster than it in the confirmation replays.
+// one entry per bucket up to max_tokens (or per bucket of the given token counts), in order, each
+// naming a candidate tactic, the bucket's heuristic and positive times, and a tuned tactic that is
+// either the heuristic (with its time) or at least 1.5% faster than it in the confirmation replays.
 // NOTE: the test's name avoids "Tiny", which the sanitizer filters of scripts/gpu-check select.
 #include <gtest/gtest.h>
 
@@ -43,6 +43,22 @@ TEST(TuneProfile, OneConsistentEntryPerBucket) {
       else EXPECT_LT(e.tactic_us, 0.985 * e.heuristic_us);
     }
   }
+}
+
+TEST(TuneProfile, GivenTokenCountsTuneOnlyTheirBuckets) {
+  std::string why;
+  if (!cuda_device_available(&why)) GTEST_SKIP() << why;
+  const MoeProblem p = preset("tiny", ActQuant::W4A16);
+  TuneProfileOptions o;
+  o.max_tokens = 1;  // ignored when tokens are given
+  o.tokens = {40, 2, 36};
+  o.reps = 5;
+  o.progress = false;
+  const std::vector<TuneEntry> entries = tune_problem("tiny", p, o);
+  ASSERT_EQ(entries.size(), 2u);
+  EXPECT_EQ(entries[0].bucket, bucket_of(2));
+  EXPECT_EQ(entries[1].bucket, bucket_of(40));
+  for (const TuneEntry& e : entries) EXPECT_GT(e.tactic_us, 0.0);
 }
 
 }  // namespace

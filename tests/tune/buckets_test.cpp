@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <limits>
+#include <vector>
 
 #include "error_message.hpp"
 #include "fp4moe/tune.hpp"
@@ -85,6 +86,19 @@ TEST(Buckets, NegativeTokenCountsAndBadIndicesAreErrors) {
   expect_error([] { bucket_of(std::numeric_limits<int64_t>::min()); }, "must be >= 0");
   expect_error([] { bucket_range(-1); }, "bucket index must be in [0, 102), got -1");
   expect_error([] { bucket_range(102); }, "got 102");
+}
+
+TEST(Buckets, TheTunedBucketsAreTheRangeOrThoseOfTheGivenTokenCounts) {
+  std::vector<int> upto40;
+  for (int b = 1; b <= 33; ++b) upto40.push_back(b);  // T = 1..32 one each, then [33, 40]
+  EXPECT_EQ(buckets_to_tune(40, {}), upto40);
+  EXPECT_EQ(buckets_to_tune(39, {}), std::vector<int>(upto40.begin(), upto40.end() - 1));
+  // Given token counts: their buckets, sorted, each once; T = 0 (bucket 0) has no work; max_tokens is ignored.
+  EXPECT_EQ(buckets_to_tune(1, {16384, 512, 0, 1000, 1024, 512, 3}),
+            (std::vector<int>{3, bucket_of(512), bucket_of(1024), bucket_of(16384)}));
+  EXPECT_EQ(bucket_of(1000), bucket_of(1024));
+  EXPECT_TRUE(buckets_to_tune(16384, {0}).empty());
+  expect_error([] { buckets_to_tune(16384, {512, -1}); }, "token count T must be >= 0, got -1");
 }
 
 }  // namespace

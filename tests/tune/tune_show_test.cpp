@@ -100,5 +100,15 @@ TEST(TuneShow, ProfilingWithoutAGpuIsAClearError) {
   EXPECT_THAT(r.output, HasSubstr("fp4moe tune: profiling needs a Hopper GPU"));
 }
 
+TEST(TuneShow, TokenListsAreCheckedBeforeAnyGpuWork) {
+  const std::string path = temp_path("token_list_cache.json");
+  const CliRun bad = cli("tune --model tiny --tokens 512,x --cache " + path);
+  EXPECT_EQ(bad.status, 2) << bad.output;
+  EXPECT_THAT(bad.output, HasSubstr("--tokens: expected a comma-separated list of integers >= 1, got 'x'"));
+  const CliRun both = cli("tune --model tiny --tokens 512 --max-tokens 1024 --cache " + path);
+  EXPECT_NE(both.status, 0) << both.output;
+  EXPECT_THAT(both.output, HasSubstr("excludes"));
+}
+
 }  // namespace
 }  // namespace fp4moe
