@@ -86,12 +86,20 @@ MoeTactic heuristic_tactic(const MoeProblem& p, int64_t T) {
   const int64_t k = p.top_k(), E = std::max<int64_t>(p.num_experts, 1);
   // m = R * k / E tokens per expert; compared without division. R <= 2^21 and k <= 32: no overflow.
   const int64_t routed = R * k;
-  // NOTE: below 16 tokens per expert the streaming kernel; from 16 the wgmma kernel (since its TMA
-  // producer, 2026-12-01): at m = 16, wgmma/t128 against stream/t32 (w4a16, H200) deepseek-r1 T = 512
-  // 1750 vs 2292 us, gpt-oss-120b T = 512 754 vs 767, qwen3-235b-a22b T = 256 572 vs 600, qwen3-30b-a3b
-  // T = 256 202 vs 203, llama4-scout T = 256 511 vs 466 (the one loss); at m = 12..14 the streaming
-  // kernel wins on gpt-oss-120b (684-728 vs 729-745 us) and loses on deepseek-r1 (docs/perf.md).
-  if (routed < 16 * E) {
+  // NOTE: the streaming kernel below m_switch tokens per expert, the wgmma kernel from there. The
+  // wgmma kernel pays a pipeline fill and an epilogue per tile at one CTA per SM, which short
+  // experts amortize over few K chunks; the streaming kernel's 32-row tiles run 3 CTAs per SM. So the
+  // switch point falls with the K chunks of both GEMMs (ceil(H / 128) + ceil(I / 128)). Measured on
+  // the H200 (fp4moe bench --tactic, stream/t32/s1 over wgmma/t128/s1, w4a16 and w4a4_scalar;
+  // docs/perf.md, twenty-fourth session):
+  //   22 chunks (qwen3-30b-a3b):    m = 16 0.86-0.88, 20 0.92-0.94, 24 0.94-0.95, 32 1.08-1.11
+  //   44 (qwen3-235b-a22b):         m = 16 0.94-0.96, 20 1.03-1.04
+  //   46 (gpt-oss-120b):            m = 16 0.97-0.98, 20 1.04-1.07
+  //   72 (deepseek-r1):             m = 16 1.31-1.33;  104 (llama4-scout): m = 16 1.04-1.06
+  // and at m = 12..14 the streaming kernel won on gpt-oss-120b and lost on deepseek-r1 (2026-12-01).
+  const int64_t both_chunks = k_chunks(p.hidden) + k_chunks(p.inter);
+  const int64_t m_switch = both_chunks <= 32 ? 28 : both_chunks <= 48 ? 17 : 16;
+  if (routed < m_switch * E) {
     // Streaming kernel. Rules fitted to the decode tuning of 2026-12-01 on an H200 (docs/perf.md,
     // "decode heuristic"), for which they pick the tuned tactic or one within ~3% of it:
     //   split K: the GEMM with fewer CTAs (128 output rows each) decides. Split by the largest s in

@@ -169,7 +169,7 @@ TEST(Registry, HeuristicFollowsTokensPerExpert) {
   EXPECT_EQ(heuristic_tactic(ds, 4), kStream1);  // 32 experts * 56 = 1792 CTAs
   EXPECT_EQ(heuristic_tactic(ds, 384), kStream1);            // m = 12
   EXPECT_EQ(heuristic_tactic(ds, 480), kStream32x1);         // bucket [449, 480]: m = 15, 32-token tiles
-  EXPECT_EQ(heuristic_tactic(ds, 481), kWgmma128);           // bucket [481, 512]: m = 16
+  EXPECT_EQ(heuristic_tactic(ds, 481), kWgmma128);           // bucket [481, 512]: m = 16 (56 + 16 K chunks)
   EXPECT_EQ(heuristic_tactic(ds, 768), kWgmma128);           // m = 24
   EXPECT_EQ(heuristic_tactic(ds, 7168), kWgmma128);          // bucket [6145, 7168]: m = 224
   EXPECT_EQ(heuristic_tactic(ds, 7169), kWgmma128);          // bucket [7169, 8192]: m = 256
@@ -193,7 +193,12 @@ TEST(Registry, HeuristicFollowsTokensPerExpert) {
   EXPECT_EQ(heuristic_tactic(mid, 192), kStream1);
   EXPECT_EQ(heuristic_tactic(mid, 193), kStream32x1);  // bucket [193, 224]
   EXPECT_EQ(heuristic_tactic(mid, 224), kStream32x1);  // m = 14, still streaming
-  EXPECT_EQ(heuristic_tactic(mid, 225), kWgmma128);    // bucket [225, 256]: m = 16
+  // The wgmma switch point by the K chunks of both GEMMs: 32 + 12 = 44 here, streaming up to m = 16.
+  EXPECT_EQ(heuristic_tactic(mid, 256), kStream32x1);  // bucket [225, 256]: m = 16
+  EXPECT_EQ(heuristic_tactic(mid, 257), kWgmma128);    // bucket [257, 288]: m = 18
+  // qwen3-30b-a3b: 16 + 6 = 22 chunks, streaming up to m = 27.
+  EXPECT_EQ(heuristic_tactic(small, 416), kStream32x1);  // bucket [385, 416]: m = 26
+  EXPECT_EQ(heuristic_tactic(small, 417), kWgmma128);    // bucket [417, 448]: m = 28
   // Split K not allowed by the shape (GEMM2: 3 chunks): stays split 1 in both GEMMs.
   EXPECT_EQ(heuristic_tactic(problem(16, 1024, 384, 2), 1), kStream1);
   expect_error([&] { heuristic_tactic(ds, -1); }, "token count T must be >= 0");
