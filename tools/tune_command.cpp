@@ -1,8 +1,6 @@
 // tools/tune_command.cpp — `fp4moe tune`: --show prints the tuning cache; profiling is run_tune_profile.
 #include "tools/tune_command.hpp"
 
-#include "tools/bench_command.hpp"  // parse_tokens
-
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -16,6 +14,7 @@
 #include "fp4moe/presets.hpp"
 #include "fp4moe/runner.hpp"
 #include "fp4moe/tune.hpp"
+#include "tools/bench_command.hpp"  // parse_tokens
 
 namespace fp4moe::tools {
 namespace {

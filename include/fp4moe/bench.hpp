@@ -87,15 +87,15 @@ struct TuneProfileOptions {
   uint64_t seed = 1;
   bool progress = true;        // a progress line on stderr
 };
-// For every bucket of buckets_to_tune(max_tokens, tokens): times every candidate tactic of the problem (candidate_tactics)
-// at the bucket's representative T on random weights and inputs routed by the problem's method
-// (CUDA-graph replays, median), and returns one entry per bucket with the fastest tactic and the
-// heuristic's time. Screening: the heuristic is timed first with `reps` replays; the others with as
-// many as fit in ~100 ms (at least 7); a candidate whose first replay is more than 1.5x the best
-// median so far is recorded as slower after that one replay. Confirmation: the heuristic and the two
-// fastest others are timed again, in turns, twice each; the entry's times are the medians of those
-// replays, and a tactic within 1.5% of the heuristic's time does not replace it (replay noise).
-// Throws fp4moe::Error on any failure.
+// For every bucket of buckets_to_tune(max_tokens, tokens): times every candidate tactic of the problem
+// (candidate_tactics) at the bucket's representative T on random weights and inputs routed by the
+// problem's method (CUDA-graph replays, median), and returns one entry per bucket with the fastest tactic
+// and the heuristic's time. Screening: the heuristic is timed first with `reps` replays; the others with
+// as many as fit in ~100 ms (at least 7); a candidate whose first replay is more than 1.5x the best median
+// so far is recorded as slower after that one replay. Confirmation: the heuristic and the two fastest
+// others are timed again, in turns, twice each; the entry's times are the medians of those replays, and a
+// tactic within 1.5% of the heuristic's time does not replace it (replay noise). Throws fp4moe::Error on
+// any failure.
 std::vector<TuneEntry> tune_problem(const std::string& label, const MoeProblem& problem,
                                     const TuneProfileOptions& options);
 
