@@ -6,8 +6,9 @@
 
 SOURCE_CSV is `ncu --import REPORT --page source --csv --print-source sass` of a report recorded with
 `--section SourceCounters` (scripts/gpu-profile --source writes it). For every kernel in it the
-instructions are split at the first and the last instruction whose opcode starts with --mark (default
-HMMA: the streaming kernel's mma.sync; HGMMA for the wgmma kernel) into three regions:
+instructions are split at the first and the last instruction whose opcode starts with --mark (by
+default per kernel: HGMMA where the kernel has one, the wgmma kernel; else HMMA, the streaming
+kernel's mma.sync) into three regions:
 
     before  the prologue up to the first MMA (tile table, barrier set-up, the first data)
     main    from the first to the last MMA (the main loop)
@@ -79,6 +80,12 @@ def regions(header, rows, mark):
     return result, (first, last)
 
 
+def auto_mark(header, rows):
+    """HGMMA when the kernel has a wgmma instruction, else HMMA."""
+    col = header.index("Source")
+    return "HGMMA" if any(opcode(r[col]).startswith("HGMMA") for r in rows) else "HMMA"
+
+
 def report(text, mark, top, out):
     found = kernels_of(text)
     if not found:
@@ -91,13 +98,14 @@ def report(text, mark, top, out):
             print(f"ncu_regions: {name}: no column {missing[0]!r} (record with --section SourceCounters)",
                   file=sys.stderr)
             return 2
-        split, at = regions(header, rows, mark)
+        kernel_mark = mark or auto_mark(header, rows)
+        split, at = regions(header, rows, kernel_mark)
         total = sum(as_int(r[header.index(SAMPLES)]) for r in rows)
         print(f"{name}\n  {len(rows)} instructions, {total} warp samples")
         if split is None:
-            print(f"  no instruction with opcode {mark}*: no regions")
+            print(f"  no instruction with opcode {kernel_mark}*: no regions")
         else:
-            print(f"  regions split at instructions {at[0]} and {at[1]} (first and last {mark})")
+            print(f"  regions split at instructions {at[0]} and {at[1]} (first and last {kernel_mark})")
             for region, (samples, executed, reasons) in split.items():
                 share = 100.0 * samples / total if total else 0.0
                 common = ", ".join(f"{k} {v}" for k, v in reasons.most_common(5))
@@ -133,6 +141,10 @@ def self_test():
     assert opcode("@!P0 BRA 0x10") == "BRA" and opcode("HMMA.16816.F32 R4") == "HMMA"
     none, _ = regions(found[0][1], found[0][2], "HGMMA")
     assert none is None
+    assert auto_mark(found[0][1], found[0][2]) == "HMMA"
+    wgmma_rows = [r[:] for r in rows]
+    wgmma_rows[1][1] = "HGMMA.64x256x16.F32.BF16 R24, R168, gdesc[UR16], R24"
+    assert auto_mark(header, wgmma_rows) == "HGMMA" and regions(header, wgmma_rows, "HGMMA")[1] == (1, 1)
     assert report(buf.getvalue(), "HMMA", 2, sys.stdout) == 0
     err, sys.stderr = sys.stderr, io.StringIO()
     try:
@@ -147,7 +159,9 @@ def self_test():
 def main(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("csv", nargs="?", help="the source page as CSV")
-    ap.add_argument("--mark", default="HMMA", help="opcode prefix that opens and closes the main loop (default HMMA)")
+    ap.add_argument("--mark", default=None,
+                    help="opcode prefix that opens and closes the main loop "
+                         "(default: HGMMA where the kernel has one, else HMMA)")
     ap.add_argument("--top", type=int, default=10, help="instructions with the most samples to list (default 10)")
     ap.add_argument("--self-test", action="store_true", help="check the parser on a built-in example")
     args = ap.parse_args(argv[1:])
