@@ -14,9 +14,7 @@
 #include "fp4moe/presets.hpp"
 
 namespace fp4moe::tools {
-namespace {
-
-std::vector<std::string> split(const std::string& s) {
+std::vector<std::string> split_list(const std::string& s) {
   std::vector<std::string> v;
   std::stringstream ss(s);
   for (std::string item; std::getline(ss, item, ',');)
@@ -24,11 +22,9 @@ std::vector<std::string> split(const std::string& s) {
   return v;
 }
 
-}  // namespace
-
 std::vector<int64_t> parse_tokens(const std::string& s) {
   std::vector<int64_t> v;
-  for (const std::string& item : split(s)) {
+  for (const std::string& item : split_list(s)) {
     size_t used = 0;
     long long t = 0;
     try {
@@ -64,7 +60,7 @@ void add_bench_command(CLI::App& app, BenchCommandOptions& o) {
 int run_bench_command(const BenchCommandOptions& o) {
   const ActQuant mode = parse_act_quant(o.mode, "--mode");
   const std::vector<int64_t> tokens = parse_tokens(o.tokens);
-  const std::vector<std::string> models = split(o.models);
+  const std::vector<std::string> models = split_list(o.models);
   check(models.empty() != o.checkpoint.empty(), "bench: give either --model PRESET[,PRESET] or --checkpoint DIR --layer L");
   for (const auto& m : models) (void)preset(m, mode);  // unknown names fail before any GPU work
   std::optional<io::MoeLayerWeights> layer;

@@ -24,6 +24,8 @@ struct BenchCommandOptions {
 
 void add_bench_command(CLI::App& app, BenchCommandOptions& options);
 int run_bench_command(const BenchCommandOptions& options);
+// The non-empty items of a comma-separated list ("a,,b" -> {a, b}); --model lists of bench and tune.
+std::vector<std::string> split_list(const std::string& list);
 // A --tokens list ("1,2,4"): integers >= 1; throws fp4moe::Error naming the bad item (also `fp4moe tune`).
 std::vector<int64_t> parse_tokens(const std::string& list);
 

@@ -14,7 +14,7 @@
 #include "fp4moe/presets.hpp"
 #include "fp4moe/runner.hpp"
 #include "fp4moe/tune.hpp"
-#include "tools/bench_command.hpp"  // parse_tokens
+#include "tools/bench_command.hpp"  // split_list, parse_tokens
 
 namespace fp4moe::tools {
 namespace {
@@ -95,12 +95,7 @@ int show_tune_cache(const std::string& path) {
 
 int run_tune_profile(const TuneOptions& o) {
   check(!o.models.empty(), "tune: --model PRESET[,PRESET] is required (or --show)");
-  std::vector<std::string> models;
-  for (size_t at = 0; at <= o.models.size();) {
-    const size_t comma = std::min(o.models.find(',', at), o.models.size());
-    if (comma > at) models.push_back(o.models.substr(at, comma - at));
-    at = comma + 1;
-  }
+  const std::vector<std::string> models = split_list(o.models);
   const ActQuant mode = parse_act_quant(o.mode, "--mode");
   for (const std::string& m : models) (void)preset(m, mode);  // unknown names fail before any GPU work
   TuneProfileOptions po;
