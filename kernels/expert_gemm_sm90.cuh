@@ -30,8 +30,8 @@
 //                            (w4a16) or NVFP4 fake-quantization with act_scale[e] (w4a4, branch-free
 //                            per element), written as 2 x 16 B.
 //                     GEMM2: fp32 y[row_to_entry[row] * N + n], staged [token][row] in the ring and
-//                            written by one bulk copy per token row; with top-1 routing the finalized
-//                            bf16 output instead (finalize fused), straight from the registers.
+//                            copied out a warp per token row (16-byte stores); with top-1 routing the
+//                            finalized bf16 output instead (finalize fused), straight from the registers.
 // Tails: K is padded to 128 in the prepacked weights (zero weights) and the activation columns past K
 // are zero-filled by the copy; weight row groups past N are zero-filled; token rows past the tile's
 // valid rows (the next expert's rows, or zeros past the last row) only reach accumulator columns that
@@ -103,7 +103,7 @@ struct TileConfig {
   static_assert(kStagingStride % 32 == 8, "float2 staging stores: 16 lanes per phase on distinct banks");
   static_assert(kTileRows * kYStride * 4 <= kStages * kStageBytes, "GEMM2 staging must fit the ring");
   static_assert(kYStride % 16 == 4, "y staging stores: tokens 2t land 8 banks apart");
-  static_assert(kYStride * 4 % 16 == 0, "bulk copies read 16-byte aligned staging rows");
+  static_assert(kYStride * 4 % 16 == 0, "y is copied out of 16-byte aligned staging rows");
   static_assert(kSmemBytes <= kMaxSmemBytes, "shared memory budget");
   static_assert(kBlocks * kAcc == 128, "128 accumulator registers per consumer thread");
   static_assert(kTileRows <= 256 && kSlots / 2 <= 256, "bulk tensor copy boxes hold at most 256 rows");
@@ -181,15 +181,6 @@ __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
 }
 __device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
-}
-
-// Bulk copy of `bytes` (a multiple of 16) from shared to global memory, tracked by bulk async-groups.
-__device__ __forceinline__ void bulk_store(void* dst, uint32_t src, uint32_t bytes) {
-  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst), "r"(src), "r"(bytes)
-               : "memory");
-}
-__device__ __forceinline__ void bulk_store_commit_and_wait_read() {  // the shared source may be reused after
-  asm volatile("cp.async.bulk.commit_group;\ncp.async.bulk.wait_group.read 0;" ::: "memory");
 }
 
 // ---- bulk tensor copies (TMA) -----------------------------------------------------------------------
@@ -868,8 +859,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   consumer_sync();  // every consumer is past its last wgmma: the ring is free; tok_entry is visible
 
   if (p.epilogue == Epilogue::Gemm2 && p.out == nullptr) {
-    // y = alpha * acc staged as [token][kBlockN] fp32 in the (free) ring, then one bulk copy per token
-    // row to y[entry][ntile * kBlockN ...]: 512-byte stores instead of 128 scattered 4-byte ones per thread.
+    // y = alpha * acc staged as [token][kBlockN] fp32 in the (free) ring, then copied out a warp per
+    // token row: 16-byte loads and stores, 512 B per warp instruction, to y[entry][ntile * kBlockN ...].
+    // NOTE (not one bulk copy per token row): cp.async.bulk takes its addresses in uniform registers,
+    // so a copy per thread became a loop over the warp's lanes (3 R2UR + UBLKCP + BRA.U.ANY per token);
+    // its branch held 15% of GEMM2's warp samples (ncu, qwen3-30b-a3b T = 16384 w4a16, t256).
     float* ystg = reinterpret_cast<float*>(smem);
 #pragma unroll
     for (int b = 0; b < kB; ++b) {
@@ -885,14 +879,20 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       }
     }
-    fence_proxy_async();  // the staging writes, before the bulk copies read them (async proxy)
     consumer_sync();
     const int n0 = ntile * kBlockN;
-    const int cols = min(kBlockN, p.N - n0);
-    for (int tok = ctid; tok < valid_rows; tok += kConsumerThreads)
-      bulk_store(p.y + static_cast<int64_t>(tok_entry[tok]) * p.N + n0, smem_addr(ystg + tok * C::kYStride),
-                 static_cast<uint32_t>(cols) * 4);
-    bulk_store_commit_and_wait_read();
+    const int cols = min(kBlockN, p.N - n0);  // a multiple of 16 (N % 16 == 0)
+    constexpr int kConsumerWarps = kConsumerThreads / 32;
+#pragma unroll 4
+    for (int tok = ctid / 32; tok < valid_rows; tok += kConsumerWarps) {
+      const float* src = ystg + tok * C::kYStride;                     // (kBlockN) floats
+      float* dst = p.y + static_cast<int64_t>(tok_entry[tok]) * p.N + n0;  // (cols) floats
+#pragma unroll
+      for (int i = 0; i < kBlockN / 128; ++i) {
+        const int c = 128 * i + 4 * lane;
+        if (c < cols) *reinterpret_cast<float4*>(dst + c) = *reinterpret_cast<const float4*>(src + c);
+      }
+    }
     return;
   }
   if (p.epilogue == Epilogue::Gemm2) {  // top-1 with the finalize fused: bf16 out, straight from registers
