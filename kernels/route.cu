@@ -354,13 +354,13 @@ __global__ void __launch_bounds__(kMaxExperts) route_deepseek_block_kernel(const
       wid_sh[buf][warp] = wid;
     }
     __syncthreads();
-    uint32_t best = kKeyNone, best_id = 0xFFFFFFFFu;
-    for (int w = 0; w < nwarps; ++w)  // warps in id order: strict > keeps the lowest id of a tie
-      if (wkey_sh[buf][w] > best) {
-        best = wkey_sh[buf][w];
-        best_id = wid_sh[buf][w];
-      }
-    const int win = best == kKeyNone ? -1 : static_cast<int>(best_id);
+    // Lane w < nwarps reads warp w's winner; two warp reductions pick the round's winner (the largest
+    // key, ties to the lowest id, as warp_argmax).
+    // NOTE: every thread scanning the nwarps winners compiled to a 228-instruction loop (48 LDS) per
+    // round; this form is ~30 instructions per round (SASS). The kernel is instruction-bound at large T
+    // (ncu, deepseek-r1 T = 16384: issued IPC 3.59, 161 us; docs/perf.md, twenty-fourth session).
+    const bool reader = lane < nwarps;
+    const int win = warp_argmax(reader ? wkey_sh[buf][lane] : kKeyNone, reader ? wid_sh[buf][lane] : 0xFFFFFFFFu);
     if (win == e) key = kKeyNone;
     if (e == j) my_id = win;
     if (e == 0) ids_sh[j] = win;  // for permute_in_block, after its barrier
