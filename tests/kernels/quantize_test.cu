@@ -2,7 +2,8 @@
 // launch_quantize_nvfp4 and launch_gather_quantize against format/ (bit-exact).
 //
 //   codecs:   e4m3 / e2m1 encode of every rounding boundary (+-1 ulp), a dense sweep and random bit
-//             patterns (NaN, inf, subnormals); decode of all 256 / 16 codes.
+//             patterns (NaN, inf, subnormals); decode of all 256 / 16 codes; the branch-free e2m1
+//             rounding (e2m1_round_value) against encode + decode for every float bit pattern.
 //   quantize: H in {16, 64, 2880, 7168} x rows in {1, 127, 128, 129, 300}, linear and swizzled scales
 //             (padding must be zero), blocks of all zeros, saturating blocks, tiny blocks, NaN / inf.
 //   gather:   w4a16, w4a4 scalar and per-expert, with and without scale_by_weight, against the q*sf
@@ -48,6 +49,20 @@ __global__ void decode_kernel(float* e4m3, float* e2m1) {
   const int c = threadIdx.x;  // 256 threads
   e4m3[c] = kernels::nvfp4::e4m3_to_float(static_cast<uint32_t>(c));
   if (c < 16) e2m1[c] = kernels::nvfp4::e2m1_to_float(static_cast<uint32_t>(c));
+}
+
+// e2m1_round_value against e2m1_to_float(e2m1_from_float(x)) (itself checked against format/ below) for
+// every float bit pattern: the number of mismatches and the first mismatching pattern.
+__global__ void round_value_every_float_kernel(unsigned long long* mismatches, uint32_t* first) {
+  const uint64_t stride = static_cast<uint64_t>(gridDim.x) * blockDim.x;
+  for (uint64_t u = static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x; u <= 0xFFFFFFFFull; u += stride) {
+    const float x = __uint_as_float(static_cast<uint32_t>(u));
+    const float got = kernels::nvfp4::e2m1_round_value(x);
+    const float want = kernels::nvfp4::e2m1_to_float(kernels::nvfp4::e2m1_from_float(x));
+    if (__float_as_uint(got) != __float_as_uint(want)) {
+      if (atomicAdd(mismatches, 1ull) == 0) *first = static_cast<uint32_t>(u);
+    }
+  }
 }
 
 bool same_float(float a, float b) {
@@ -208,6 +223,19 @@ void check_quantize(int64_t rows, int64_t cols, kernels::ScaleLayout layout, flo
                     << int(want_scales[i]) << std::dec;
       ++bad;
     }
+}
+
+TEST(Nvfp4Device, RoundValueMatchesEncodeDecodeForEveryFloat) {
+  FP4MOE_REQUIRE_SM90();
+  DeviceBuffer<unsigned long long> mismatches(1);
+  DeviceBuffer<uint32_t> first(1);
+  ASSERT_TRUE(mismatches.ok() && first.ok());
+  CUDA_ASSERT(cudaMemset(mismatches.get(), 0, sizeof(unsigned long long)));
+  CUDA_ASSERT(cudaMemset(first.get(), 0, sizeof(uint32_t)));
+  round_value_every_float_kernel<<<1024, 256>>>(mismatches.get(), first.get());
+  CUDA_ASSERT(cudaGetLastError());
+  CUDA_ASSERT(cudaDeviceSynchronize());
+  EXPECT_EQ(mismatches.download()[0], 0ull) << "first mismatch at bits 0x" << std::hex << first.download()[0];
 }
 
 TEST(QuantizeKernel, MatchesFormatBothLayouts) {
