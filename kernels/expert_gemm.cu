@@ -2,11 +2,11 @@
 //
 //   1. Check the arguments (cudaErrorInvalidValue on anything inconsistent: shapes, the prepacked
 //      weights' shape, null or misaligned pointers).
-//   2. The tactic picks the kernel (args.tactic): the wgmma kernel with 128- or 256-token tiles here,
+//   2. The tactic picks the kernel (args.tactic): the wgmma kernel with 64-, 128- or 256-token tiles here,
 //      the streaming kernel (expert_gemm_stream.cu) for sm90_stream.
 //   3. The bulk tensor copy maps of the launch (activations, weights, scales), encoded on the host.
 //   4. Grid: max_tiles token tiles x CTAs along N (the CTA's weight rows: 256 with 128-token tiles,
-//      128 with 256-token tiles; GEMM1 gated: half of them intermediate columns), one dimension;
+//      128 with 64- and 256-token tiles; GEMM1 gated: half of them intermediate columns), one dimension;
 //      CTAs past *num_tiles leave at once.
 //   5. One kernel instantiation per tile shape serves GEMM1 (gated or relu2, bf16 or NVFP4 output) and GEMM2.
 #include <cuda.h>
@@ -30,7 +30,13 @@ cudaError_t configure_expert_gemm() {
     const auto opt_in = [](auto kernel, size_t bytes) {
       return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
     };
-    for (cudaError_t e : {opt_in(sm90gemm::expert_gemm_kernel<128>, sm90gemm::TileConfig<128>::kSmemBytes),
+    // NOTE: the 64-token tile runs two CTAs per SM only with the whole shared-memory carveout.
+    const auto max_carveout = [](auto kernel) {
+      return cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
+    };
+    for (cudaError_t e : {opt_in(sm90gemm::expert_gemm_kernel<64>, sm90gemm::TileConfig<64>::kSmemBytes),
+                          max_carveout(sm90gemm::expert_gemm_kernel<64>),
+                          opt_in(sm90gemm::expert_gemm_kernel<128>, sm90gemm::TileConfig<128>::kSmemBytes),
                           opt_in(sm90gemm::expert_gemm_kernel<256>, sm90gemm::TileConfig<256>::kSmemBytes)})
       if (e != cudaSuccess) return e;
     return configure_expert_gemm_stream();
@@ -40,7 +46,8 @@ cudaError_t configure_expert_gemm() {
 namespace {
 
 bool wgmma_tactic(const MoeTactic& t) {
-  return t.kernel == GemmKernel::Sm90Wgmma && (t.tile_tokens == 128 || t.tile_tokens == 256) && t.split_k1 == 1 &&
+  return t.kernel == GemmKernel::Sm90Wgmma && (t.tile_tokens == 64 || t.tile_tokens == 128 || t.tile_tokens == 256) &&
+         t.split_k1 == 1 &&
          t.split_k2 == 1;
 }
 bool stream_tactic(const MoeTactic& t) {
@@ -84,8 +91,11 @@ cudaError_t launch_wgmma(const sm90gemm::Params& p, bool gated_gemm1, int64_t co
 // The one place where a tactic becomes a kernel instantiation (the streaming kernel: see the launchers).
 cudaError_t launch(const sm90gemm::Params& p, const MoeTactic& t, bool gated_gemm1, int64_t cols, cudaStream_t stream) {
   if (p.max_tiles == 0) return cudaSuccess;
-  return t.tile_tokens == 256 ? launch_wgmma<256>(p, gated_gemm1, cols, stream)
-                              : launch_wgmma<128>(p, gated_gemm1, cols, stream);
+  switch (t.tile_tokens) {
+    case 64: return launch_wgmma<64>(p, gated_gemm1, cols, stream);
+    case 256: return launch_wgmma<256>(p, gated_gemm1, cols, stream);
+    default: return launch_wgmma<128>(p, gated_gemm1, cols, stream);
+  }
 }
 
 }  // namespace

@@ -2,8 +2,9 @@
 // to bf16 and fed as the register A operand of wgmma; tokens are the MMA N dimension ("swap AB").
 //
 // One CTA computes a tile of 256 weight rows (GEMM1 gated: 128 gate rows + the 128 matching up rows)
-// x 128 token rows (one entry of the tile table) over the whole K:
-//   warpgroup 2     producer (setmaxnreg 56): one thread issues the bulk tensor copies (TMA) of each
+// x 128 token rows (one entry of the tile table) over the whole K (the other tile shapes, TileConfig:
+// 128 x 256 and, two CTAs per SM, 128 x 64):
+//   warpgroup 2     producer (setmaxnreg 56; 32 at two CTAs per SM): one thread issues the bulk tensor copies (TMA) of each
 //                   128-wide K chunk into a 4-stage ring, all completing on the stage's `full` mbarrier
 //                   (expect_tx of the bytes the stage loads; out-of-bounds parts of a box are
 //                   zero-filled and counted):
@@ -15,7 +16,7 @@
 //                   GEMM1 with the gather fused (a_row_to_entry, `a` un-permuted [T, K]): the whole
 //                   warpgroup copies the activation rows with cp.async instead (producer_gather), into
 //                   the same swizzled slabs; the weights and scales stay bulk tensor copies.
-//   warpgroups 0-1  consumers (setmaxnreg 224); warpgroup c, block b (0..1), warp w own the m16 tile
+//   warpgroups 0-1  consumers (setmaxnreg 224; 104); warpgroup c, block b (0..1), warp w own the m16 tile
 //                   mt = 8c + 4b + w: rows g from slot mt, rows g+8 from slot 16 + mt (CTA-local weight
 //                   rows 8mt + g and 128 + 8mt + g; gated: gate and up of intermediate column 8mt + g).
 //                   Per stage: wait `full`, load 4 x 16 B of weights + 4 x 8 B of scales, then per
@@ -60,44 +61,53 @@ namespace fp4moe::kernels::sm90gemm {
 inline constexpr int kConsumerThreads = 256;  // two warpgroups
 inline constexpr int kProducerThreads = 128;  // one warpgroup (register reallocation is per warpgroup)
 inline constexpr int kThreads = kConsumerThreads + kProducerThreads;
-inline constexpr int kProducerRegs = 56;   // registers per thread after setmaxnreg
-inline constexpr int kConsumerRegs = 224;
-// NOTE: setmaxnreg.inc draws from the registers the CTA was launched with (168 per thread for 384
-// threads at one CTA per SM: 64512); asking for more than the producer gave back blocks forever.
-inline constexpr int kLaunchRegs = 168;
-static_assert(kProducerThreads * kProducerRegs + kConsumerThreads * kConsumerRegs <= kThreads * kLaunchRegs,
-              "the register reallocation must fit the CTA's launch allocation");
+inline constexpr int kSmRegisters = 65536;    // registers per SM (sm_90)
 inline constexpr int kRasterGroup = 8;        // token tiles per raster group (L2 reuse of weights)
 inline constexpr int kMaxSmemBytes = 232448;  // sm_90 opt-in limit per CTA (227 KiB)
+inline constexpr int kSmSmemBytes = 233472;   // shared memory per SM (228 KiB)
 
-// The two tile shapes (MoeTactic::tile_tokens). Both keep 64 x kTileRows accumulators per m64 block
-// and 128 accumulator registers per consumer thread:
-//   128 tokens: 256 weight rows per CTA, 2 m64 blocks per consumer warpgroup, 4 stages of 50 KiB.
-//   256 tokens: 128 weight rows per CTA, 1 m64 block per warpgroup (m64n256 wgmma), 3 stages of 73 KiB;
+// The three tile shapes (MoeTactic::tile_tokens):
+//   256 tokens: 128 weight rows per CTA, 1 m64 block per consumer warpgroup (m64n256 wgmma), 3 stages of 73 KiB;
 //               each decoded A fragment feeds twice the tokens (half the decode per flop).
+//   128 tokens: 256 weight rows per CTA, 2 m64 blocks per consumer warpgroup, 4 stages of 50 KiB.
+//    64 tokens: 128 weight rows per CTA, 1 m64 block per warpgroup, 4 stages of 25 KiB, 2 CTAs per SM.
+//               For experts with few rows (m <= 64), where the consumers' decode chains and the
+//               per-tile pipeline fill and epilogue bound the kernel, not the tensor pipe: the second
+//               CTA's 8 consumer warps hide the first's latencies and run their main loop while the
+//               first fills its ring or runs its epilogue.
+// The 128- and 256-token tiles keep 128 accumulator registers per consumer thread (64 x kTileRows
+// per m64 block); the 64-token tile 32.
 template <int TileTokens>
 struct TileConfig {
-  static_assert(TileTokens == 128 || TileTokens == 256, "tile_tokens is 128 or 256");
+  static_assert(TileTokens == 64 || TileTokens == 128 || TileTokens == 256, "tile_tokens is 64, 128 or 256");
   static constexpr int kTileRows = TileTokens;                   // token rows per tile
   static constexpr int kBlocks = TileTokens == 128 ? 2 : 1;      // m64 blocks per consumer warpgroup
   static constexpr int kBlockN = 128 * kBlocks;                  // weight rows per CTA
   static constexpr int kSlots = kBlockN / 8;                     // row groups per CTA
-  static constexpr int kStages = TileTokens == 128 ? 4 : 3;
+  static constexpr int kStages = TileTokens == 256 ? 3 : 4;
+  static constexpr int kCtasPerSm = TileTokens == 64 ? 2 : 1;
   static constexpr int kAcc = TileTokens / 2;                    // accumulators per thread per block
   static constexpr int kSlabBytes = kTileRows * 128;             // 64 K of kTileRows tokens
   // Activation rows per bulk tensor copy box: a stage loads only the boxes that cover the wgmma width
   // of the tile (wgmma_width), so a tile with few valid rows does not pull a whole slab from L2.
-  static constexpr int kActBoxRows = TileTokens == 128 ? 32 : 64;
-  static constexpr int kMinWidth = TileTokens == 128 ? 8 : 64;   // the narrowest wgmma instantiated
+  static constexpr int kActBoxRows = TileTokens == 128 ? 32 : TileTokens == 256 ? 64 : 16;
+  static constexpr int kMinWidth = TileTokens == 256 ? 64 : 8;   // the narrowest wgmma instantiated
   static constexpr int kActBytes = 2 * kSlabBytes;
   static constexpr int kWeightBytes = kSlots * fp4layout::kChunkBytes;
   static constexpr int kScaleBytes = kSlots * fp4layout::kChunkScaleBytes;
-  static constexpr int kStageBytes = kActBytes + kWeightBytes + kScaleBytes;  // 50 / 73 KiB, one expect_tx
+  static constexpr int kStageBytes = kActBytes + kWeightBytes + kScaleBytes;  // 25 / 50 / 73 KiB, one expect_tx
   static constexpr int kStagingStride = kTileRows + 8;  // floats per staging row (float2 stores conflict-free)
   static constexpr int kYStride = kBlockN + 4;          // GEMM2 y staging [token][kBlockN] (floats per row)
   static constexpr int kBarrierOffset = kStages * kStageBytes;
   static constexpr int kTokenEntryOffset = kBarrierOffset + 2 * kStages * 8;
   static constexpr size_t kSmemBytes = 1024 + kTokenEntryOffset + kTileRows * 8;  // entries or row addresses
+  // Registers: the launch bound gives each thread kLaunchRegs (a multiple of 8); setmaxnreg moves
+  // them from the producer warpgroup to the consumers.
+  // NOTE: setmaxnreg.inc draws from the registers the CTA was launched with (kThreads * kLaunchRegs);
+  // asking for more than the producer gave back blocks forever.
+  static constexpr int kLaunchRegs = kSmRegisters / (kThreads * kCtasPerSm) / 8 * 8;  // 168 / 80
+  static constexpr int kProducerRegs = kCtasPerSm == 1 ? 56 : 32;
+  static constexpr int kConsumerRegs = kCtasPerSm == 1 ? 224 : 104;
   static_assert(kStageBytes % 1024 == 0, "swizzled activation slabs need 1024-byte alignment");
   static_assert(kBlockN * kStagingStride * 4 <= kStages * kStageBytes, "GEMM1 staging must fit the ring");
   static_assert(kStagingStride % 32 == 8, "float2 staging stores: 16 lanes per phase on distinct banks");
@@ -105,7 +115,12 @@ struct TileConfig {
   static_assert(kYStride % 16 == 4, "y staging stores: tokens 2t land 8 banks apart");
   static_assert(kYStride * 4 % 16 == 0, "y is copied out of 16-byte aligned staging rows");
   static_assert(kSmemBytes <= kMaxSmemBytes, "shared memory budget");
-  static_assert(kBlocks * kAcc == 128, "128 accumulator registers per consumer thread");
+  static_assert(kCtasPerSm * (kSmemBytes + 1024) <= kSmSmemBytes, "kCtasPerSm CTAs (1 KiB reserved each) per SM");
+  static_assert(kBlocks * kAcc == (kCtasPerSm == 1 ? 128 : 32), "accumulator registers per consumer thread");
+  static_assert(kProducerThreads * kProducerRegs + kConsumerThreads * kConsumerRegs <= kThreads * kLaunchRegs,
+                "the register reallocation must fit the CTA's launch allocation");
+  static_assert(kProducerRegs % 8 == 0 && kConsumerRegs % 8 == 0 && kProducerRegs >= 24 && kConsumerRegs <= 256,
+                "setmaxnreg takes multiples of 8 in [24, 256]");
   static_assert(kTileRows <= 256 && kSlots / 2 <= 256, "bulk tensor copy boxes hold at most 256 rows");
   static_assert(kTileRows % kActBoxRows == 0 && kActBoxRows * 128 % 1024 == 0,
                 "activation boxes tile the slab in whole 8-row swizzle atoms (1024-byte aligned)");
@@ -782,7 +797,7 @@ struct Gemm1Items {
 // header for its helpers with FP4MOE_SM90GEMM_HELPERS_ONLY defined (one definition of the kernel).
 #if !defined(FP4MOE_SM90GEMM_HELPERS_ONLY)
 template <int TileTokens>
-__global__ void __launch_bounds__(kThreads, 1)
+__global__ void __launch_bounds__(kThreads, TileConfig<TileTokens>::kCtasPerSm)
     expert_gemm_kernel(const __grid_constant__ Params p, const __grid_constant__ TmaMaps maps) {
   using C = TileConfig<TileTokens>;
   constexpr int kTileRows = C::kTileRows, kBlockN = C::kBlockN, kStages = C::kStages, kB = C::kBlocks;
@@ -820,7 +835,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   __syncthreads();
 
   if (threadIdx.x >= kConsumerThreads) {
-    setmaxnreg_dec<kProducerRegs>();
+    setmaxnreg_dec<C::kProducerRegs>();
     if (gather)
       producer_gather<C>(p, maps, smem, bar_base, row_ptr, expert, ntile, static_cast<int>(row_start), valid_rows,
                          wgmma_width<C>(valid_rows));
@@ -828,7 +843,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       producer<C>(p, maps, smem, bar_base, expert, ntile, static_cast<int>(row_start), wgmma_width<C>(valid_rows));
     return;
   }
-  setmaxnreg_inc<kConsumerRegs>();
+  setmaxnreg_inc<C::kConsumerRegs>();
 
   const int ctid = threadIdx.x;
   if (p.epilogue == Epilogue::Gemm2)
@@ -841,7 +856,12 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int i = 0; i < C::kAcc; ++i) acc[b][i] = 0.0f;
   // N of the wgmma: the smallest width (of a few, to keep instantiations few) covering the valid rows.
   const int width = wgmma_width<C>(valid_rows);
-  if constexpr (TileTokens == 128) {
+  if constexpr (TileTokens == 64) {
+    if (width == 8) consumer_mainloop<C, 8>(p, smem, bar_base, acc);
+    else if (width == 16) consumer_mainloop<C, 16>(p, smem, bar_base, acc);
+    else if (width == 32) consumer_mainloop<C, 32>(p, smem, bar_base, acc);
+    else consumer_mainloop<C, 64>(p, smem, bar_base, acc);
+  } else if constexpr (TileTokens == 128) {
     if (width == 8) consumer_mainloop<C, 8>(p, smem, bar_base, acc);
     else if (width == 16) consumer_mainloop<C, 16>(p, smem, bar_base, acc);
     else if (width == 32) consumer_mainloop<C, 32>(p, smem, bar_base, acc);

@@ -23,7 +23,7 @@ struct FamilyRule {
 
 // One row per kernel family; candidate_tactics enumerates the product and filters by why_invalid.
 const FamilyRule kFamilies[] = {
-    {GemmKernel::Sm90Wgmma, {128, 256}, {1}},
+    {GemmKernel::Sm90Wgmma, {64, 128, 256}, {1}},
     {GemmKernel::Sm90Stream, {16, 32}, {1, 2, 4}},
 };
 
@@ -128,6 +128,12 @@ MoeTactic heuristic_tactic(const MoeProblem& p, int64_t T) {
   // T = 8192 11407 vs 12074 us, gpt-oss-120b T = 8192 3209 vs 3501, llama4-scout T = 4096 1779 vs
   // 1805, qwen3-30b-a3b T = 4096 806 vs 804); at m = 512 the 256-token tile (llama4-scout T = 8192
   // 3116 vs 3503, qwen3-30b-a3b T = 8192 1444 vs 1463).
+  // NOTE: 64-token tiles (128 weight rows, two CTAs per SM: one CTA's fill and epilogue under the
+  // other's main loop) where experts get few rows. Measured on the H200 (fp4moe bench --tactic
+  // sm90_wgmma/t64/s1 against the tuned tactic, w4a16; docs/perf.md, twenty-sixth session): at m = 32
+  // qwen3-30b-a3b 0.90, qwen3-235b-a22b 0.93, llama4-scout 0.92, gpt-oss-120b 0.91; at m = 64 0.95-1.01;
+  // at m = 128 1.07-1.17. deepseek-r1 (E = 256) was slower at every m (1.02 at m = 16, 1.21 at m = 64).
+  if (routed < 48 * E && E <= 128) return {GemmKernel::Sm90Wgmma, 64, 1, 1};
   if (routed < 384 * E) return {GemmKernel::Sm90Wgmma, 128, 1, 1};
   return {GemmKernel::Sm90Wgmma, 256, 1, 1};
 }

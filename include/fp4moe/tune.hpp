@@ -56,7 +56,7 @@ MoeTactic tactic_from_json(std::string_view text);
 // runner accepts (H, I multiples of 16).
 std::vector<MoeTactic> candidate_tactics(const MoeProblem& problem);
 // Why the tactic cannot run this problem, or "" when it can. Rules per kernel family:
-//   sm90_wgmma:  tile_tokens in {128, 256}, split_k1 = split_k2 = 1; every problem with H, I multiples
+//   sm90_wgmma:  tile_tokens in {64, 128, 256}, split_k1 = split_k2 = 1; every problem with H, I multiples
 //                of 16.
 //   sm90_stream: tile_tokens in {16, 32}; split_k1 (GEMM1, K = H) and split_k2 (GEMM2, K = I) each in
 //                {1, 2, 4}, and a split s > 1 only where its GEMM has at least 2 * s chunks of 128 along
@@ -67,10 +67,12 @@ inline bool tactic_valid(const MoeProblem& problem, const MoeTactic& tactic) {
 }
 // The tactic without profiling, for the bucket of T (it depends on T only through the bucket's
 // representative R). With m = R * k / E (expected tokens per expert):
-//   m < 16:    sm90_stream; tile_tokens 32 when m > 12, else 16; split_k1 = split_k2 = the largest s of
+//   m < m_switch (28 where both GEMMs together have <= 32 K chunks of 128, 17 for <= 48, else 16):
+//              sm90_stream; tile_tokens 32 when m > 12, else 16; split_k1 = split_k2 = the largest s of
 //              4, 2 that keeps experts_hit * ceil(min(w13 rows, H) / 128) * s <= 5 * 132 CTAs
 //              (experts_hit = min(E, R * k)) and leaves >= 10 chunks of 128 per split in both
 //              GEMMs, else 1;
+//   m < 48 and E <= 128: sm90_wgmma t64;
 //   m < 384:   sm90_wgmma t128;
 //   else:      sm90_wgmma t256.
 // Always valid for the problem. Throws fp4moe::Error for T < 0.

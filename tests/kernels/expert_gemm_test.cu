@@ -206,8 +206,8 @@ GemmKernelUnderTest wgmma_kernel(int tile_rows = kernels::gemm_tile_rows()) {
             return kernels::launch_gemm2(b, s);
           }};
 }
-// Both tile shapes of the wgmma kernel (128 and 256 token rows).
-std::vector<GemmKernelUnderTest> wgmma_kernels() { return {wgmma_kernel(128), wgmma_kernel(256)}; }
+// The three tile shapes of the wgmma kernel (64, 128 and 256 token rows).
+std::vector<GemmKernelUnderTest> wgmma_kernels() { return {wgmma_kernel(64), wgmma_kernel(128), wgmma_kernel(256)}; }
 GemmKernelUnderTest stream_kernel(int split_k, int tile_rows = 16) {
   return {"sm90_stream/t" + std::to_string(tile_rows) + "/s" + std::to_string(split_k), tile_rows, split_k,
           kernels::launch_gemm1_act_stream, kernels::launch_gemm2_stream};
@@ -778,8 +778,9 @@ TEST(ExpertGemmKernel, RejectsBadArguments) {
   const BadArgsSetup s(71);
   expect_common_rejections(s, {GemmKernel::Sm90Wgmma, 128, 1, 1});
   expect_common_rejections(s, {GemmKernel::Sm90Wgmma, 256, 1, 1});
+  expect_common_rejections(s, {GemmKernel::Sm90Wgmma, 64, 1, 1});
   // Tactics no kernel has.
-  for (const MoeTactic& t : {MoeTactic{GemmKernel::Sm90Wgmma, 64, 1, 1}, MoeTactic{GemmKernel::Sm90Wgmma, 128, 2, 2},
+  for (const MoeTactic& t : {MoeTactic{GemmKernel::Sm90Wgmma, 32, 1, 1}, MoeTactic{GemmKernel::Sm90Wgmma, 128, 2, 2},
                              MoeTactic{GemmKernel::Sm90Stream, 64, 1, 1}}) {
     EXPECT_EQ(kernels::launch_gemm2(s.gemm2(t), nullptr), cudaErrorInvalidValue) << describe(t);
     EXPECT_EQ(kernels::launch_gemm1_act(s.gemm1(t), nullptr), cudaErrorInvalidValue) << describe(t);

@@ -252,7 +252,7 @@ TEST_P(LayerTactic, MatchesReference) {
 
 std::vector<TacticCase> tactic_cases() {
   std::vector<TacticCase> v;
-  for (int tile : {128, 256}) v.push_back({{GemmKernel::Sm90Wgmma, tile, 1, 1}, "wgmma_t" + std::to_string(tile)});
+  for (int tile : {64, 128, 256}) v.push_back({{GemmKernel::Sm90Wgmma, tile, 1, 1}, "wgmma_t" + std::to_string(tile)});
   // Both GEMMs split alike, and a few pairs that split them differently (GEMM1 x GEMM2).
   const int pairs[][3] = {{16, 1, 1}, {16, 2, 2}, {16, 4, 4}, {16, 4, 2}, {16, 1, 4},
                           {32, 1, 1}, {32, 2, 2}, {32, 4, 4}, {32, 2, 1}};

@@ -210,8 +210,8 @@ TEST(TuneCache, BadEntriesAreIgnoredOneByOneWithOneWarning) {
     std::string from, to;
     const char* reason;
   } cases[] = {
-      {"invalid_tactic", R"("tile_tokens": 256)", R"("tile_tokens": 64)",
-       "entries[0].tactic sm90_wgmma/t64/s1 is invalid for E=256"},
+      {"invalid_tactic", R"("tile_tokens": 256)", R"("tile_tokens": 32)",
+       "entries[0].tactic sm90_wgmma/t32/s1 is invalid for E=256"},
       {"kernel_type", R"("kernel": "sm90_wgmma")", R"("kernel": 3)", "entries[0].tactic.kernel: expected a string"},
       {"sm_count_type", R"("sm_count": 132)", R"("sm_count": "132")", "entries[0].sm_count: expected an integer"},
       {"time_negative", R"("tactic_us": 900.0)", R"("tactic_us": -1)", "entries[0].tactic_us: must be finite and > 0"},

@@ -24,6 +24,7 @@ MoeProblem problem(int64_t E, int64_t H, int64_t I, int k) {
 
 const MoeTactic kWgmma128{GemmKernel::Sm90Wgmma, 128, 1, 1};
 const MoeTactic kWgmma256{GemmKernel::Sm90Wgmma, 256, 1, 1};
+const MoeTactic kWgmma64{GemmKernel::Sm90Wgmma, 64, 1, 1};
 const MoeTactic kStream1{GemmKernel::Sm90Stream, 16, 1, 1};
 const MoeTactic kStream2{GemmKernel::Sm90Stream, 16, 2, 2};
 const MoeTactic kStream4{GemmKernel::Sm90Stream, 16, 4, 4};
@@ -98,7 +99,7 @@ std::vector<MoeTactic> stream_tactics(int tile, std::vector<int> splits1, std::v
 }
 
 std::vector<MoeTactic> wgmma_then(std::vector<MoeTactic> a, const std::vector<MoeTactic>& b) {
-  a.insert(a.begin(), {kWgmma128, kWgmma256});
+  a.insert(a.begin(), {kWgmma64, kWgmma128, kWgmma256});
   a.insert(a.end(), b.begin(), b.end());
   return a;
 }
@@ -115,7 +116,7 @@ TEST(Registry, CandidatesFollowTheFamilyRules) {
             wgmma_then(stream_tactics(16, {1, 2, 4}, {1, 2}), stream_tactics(32, {1, 2, 4}, {1, 2})));
   // H = I = 384: no split at all.
   EXPECT_EQ(candidate_tactics(problem(16, 384, 384, 2)),
-            (std::vector<MoeTactic>{kWgmma128, kWgmma256, kStream1, kStream32x1}));
+            (std::vector<MoeTactic>{kWgmma64, kWgmma128, kWgmma256, kStream1, kStream32x1}));
   // Ceil of chunks: K = 1040 is 9 chunks, 896 is 7: split 4 needs 8.
   EXPECT_TRUE(tactic_valid(problem(16, 1040, 1040, 2), kStream4));
   EXPECT_FALSE(tactic_valid(problem(16, 1040, 896, 2), kStream4));
@@ -127,8 +128,9 @@ TEST(Registry, CandidatesFollowTheFamilyRules) {
 TEST(Registry, WhyInvalidNamesTheRule) {
   const MoeProblem p = problem(16, 1024, 384, 2);
   EXPECT_EQ(why_invalid(p, kWgmma128), "");
-  EXPECT_EQ(why_invalid(p, MoeTactic{GemmKernel::Sm90Wgmma, 64, 1, 1}),
-            "sm90_wgmma: tile_tokens must be in {128, 256}, got 64");
+  EXPECT_EQ(why_invalid(p, kWgmma64), "");
+  EXPECT_EQ(why_invalid(p, MoeTactic{GemmKernel::Sm90Wgmma, 32, 1, 1}),
+            "sm90_wgmma: tile_tokens must be in {64, 128, 256}, got 32");
   EXPECT_EQ(why_invalid(p, MoeTactic{GemmKernel::Sm90Wgmma, 128, 2, 1}), "sm90_wgmma: split_k1 must be in {1}, got 2");
   EXPECT_EQ(why_invalid(p, MoeTactic{GemmKernel::Sm90Wgmma, 128, 1, 2}), "sm90_wgmma: split_k2 must be in {1}, got 2");
   EXPECT_EQ(why_invalid(p, MoeTactic{GemmKernel::Sm90Stream, 16, 3, 1}),
@@ -170,7 +172,7 @@ TEST(Registry, HeuristicFollowsTokensPerExpert) {
   EXPECT_EQ(heuristic_tactic(ds, 384), kStream1);            // m = 12
   EXPECT_EQ(heuristic_tactic(ds, 480), kStream32x1);         // bucket [449, 480]: m = 15, 32-token tiles
   EXPECT_EQ(heuristic_tactic(ds, 481), kWgmma128);           // bucket [481, 512]: m = 16 (56 + 16 K chunks)
-  EXPECT_EQ(heuristic_tactic(ds, 768), kWgmma128);           // m = 24
+  EXPECT_EQ(heuristic_tactic(ds, 768), kWgmma128);           // m = 24 (E = 256: no 64-token tiles)
   EXPECT_EQ(heuristic_tactic(ds, 7168), kWgmma128);          // bucket [6145, 7168]: m = 224
   EXPECT_EQ(heuristic_tactic(ds, 7169), kWgmma128);          // bucket [7169, 8192]: m = 256
   EXPECT_EQ(heuristic_tactic(ds, 10240), kWgmma128);         // bucket [8193, 10240]: m = 320
@@ -195,10 +197,12 @@ TEST(Registry, HeuristicFollowsTokensPerExpert) {
   EXPECT_EQ(heuristic_tactic(mid, 224), kStream32x1);  // m = 14, still streaming
   // The wgmma switch point by the K chunks of both GEMMs: 32 + 12 = 44 here, streaming up to m = 16.
   EXPECT_EQ(heuristic_tactic(mid, 256), kStream32x1);  // bucket [225, 256]: m = 16
-  EXPECT_EQ(heuristic_tactic(mid, 257), kWgmma128);    // bucket [257, 288]: m = 18
+  EXPECT_EQ(heuristic_tactic(mid, 257), kWgmma64);     // bucket [257, 288]: m = 18, 64-token tiles (E <= 128)
+  EXPECT_EQ(heuristic_tactic(mid, 640), kWgmma64);     // bucket [513, 640]: m = 40
+  EXPECT_EQ(heuristic_tactic(mid, 641), kWgmma128);    // bucket [641, 768]: m = 48
   // qwen3-30b-a3b: 16 + 6 = 22 chunks, streaming up to m = 27.
   EXPECT_EQ(heuristic_tactic(small, 416), kStream32x1);  // bucket [385, 416]: m = 26
-  EXPECT_EQ(heuristic_tactic(small, 417), kWgmma128);    // bucket [417, 448]: m = 28
+  EXPECT_EQ(heuristic_tactic(small, 417), kWgmma64);     // bucket [417, 448]: m = 28
   // Split K not allowed by the shape (GEMM2: 3 chunks): stays split 1 in both GEMMs.
   EXPECT_EQ(heuristic_tactic(problem(16, 1024, 384, 2), 1), kStream1);
   expect_error([&] { heuristic_tactic(ds, -1); }, "token count T must be >= 0");
