@@ -538,6 +538,24 @@ __device__ __forceinline__ void consumer_mainloop(const Params& p, uint8_t* smem
     for (int i = 0; i < C::kAcc; ++i) fence_operand(acc[b][i]);
 }
 
+// The producers' place in the ring: the stage of chunk kt and the parity of that stage's `empty`
+// barrier's next completion (its first completion is the consumers' release of chunk kt - kStages).
+template <int kStages>
+struct RingSlot {
+  int stage = 0, phase = 0;
+  // Waits until the consumers released the stage; the first kStages chunks find their stages free.
+  __device__ __forceinline__ void wait_free(uint32_t bar_base, int kt) const {
+    if (kt >= kStages) mbar_wait(bar_base + 8 * (kStages + stage), phase);
+  }
+  // On to chunk kt + 1.
+  __device__ __forceinline__ void advance(int kt) {
+    if (++stage == kStages) {
+      stage = 0;
+      if (kt >= kStages) phase ^= 1;
+    }
+  }
+};
+
 // The bulk tensor copies of chunk kt's weight and scale slots of N tile ntile into a stage (w_base:
 // (kSlots, 512 B), s_base: (kSlots, 64 B)), completing on `full`. Gated GEMM1's maps are
 // (expert, half, group pair, chunk): slots [gate groups][up groups]; the others (expert, group, chunk):
@@ -574,9 +592,10 @@ __device__ __forceinline__ void producer(const Params& p, const TmaMaps& maps, u
   tma_prefetch(&maps.act_tile);
   tma_prefetch(&maps.w);
   tma_prefetch(&maps.scale);
-  int s = 0, phase = 0;  // stage of chunk kt, and the parity of its `empty` barrier's next completion
+  RingSlot<kStages> ring;
   for (int kt = 0; kt < p.chunks; ++kt) {
-    if (kt >= kStages) mbar_wait(bar_base + 8 * (kStages + s), phase);
+    ring.wait_free(bar_base, kt);
+    const int s = ring.stage;
     const uint32_t full = bar_base + 8 * s;
     const uint32_t act_base = smem_addr(smem) + s * C::kStageBytes;  // (2 slabs, tile rows, 128 B)
     const uint32_t w_base = act_base + C::kActBytes;                 // (kSlots, 512 B)
@@ -593,10 +612,7 @@ __device__ __forceinline__ void producer(const Params& p, const TmaMaps& maps, u
       }
     }
     load_weight_slots<C>(maps, w_base, s_base, full, kt, ntile, expert, gated);
-    if (++s == kStages) {
-      s = 0;
-      if (kt >= kStages) phase ^= 1;
-    }
+    ring.advance(kt);
   }
 }
 
@@ -648,9 +664,10 @@ __device__ __forceinline__ void producer_gather(const Params& p, const TmaMaps& 
     tma_prefetch(&maps.w);
     tma_prefetch(&maps.scale);
   }
-  int s = 0, phase = 0;
+  RingSlot<kStages> ring;
   for (int kt = 0; kt < p.chunks; ++kt) {
-    if (kt >= kStages) mbar_wait(bar_base + 8 * (kStages + s), phase);
+    ring.wait_free(bar_base, kt);
+    const int s = ring.stage;
     const uint32_t full = bar_base + 8 * s;
     const uint32_t act_base = smem_addr(smem) + s * C::kStageBytes;  // (2 slabs, tile rows, 128 B)
     if (leader) {
@@ -670,10 +687,7 @@ __device__ __forceinline__ void producer_gather(const Params& p, const TmaMaps& 
       cp_async16(dst + C::kSlabBytes, src + 64, bytes1);
     }
     cp_async_arrive_noinc(full);  // when this thread's copies (so far) have landed
-    if (++s == kStages) {
-      s = 0;
-      if (kt >= kStages) phase ^= 1;
-    }
+    ring.advance(kt);
   }
 }
 
