@@ -46,9 +46,8 @@ cudaError_t configure_expert_gemm() {
 namespace {
 
 bool wgmma_tactic(const MoeTactic& t) {
-  return t.kernel == GemmKernel::Sm90Wgmma && (t.tile_tokens == 64 || t.tile_tokens == 128 || t.tile_tokens == 256) &&
-         t.split_k1 == 1 &&
-         t.split_k2 == 1;
+  const bool tile_ok = t.tile_tokens == 64 || t.tile_tokens == 128 || t.tile_tokens == 256;
+  return t.kernel == GemmKernel::Sm90Wgmma && tile_ok && t.split_k1 == 1 && t.split_k2 == 1;
 }
 bool stream_tactic(const MoeTactic& t) {
   auto split_ok = [](int s) { return s >= 1 && s <= kMaxStreamSplitK; };

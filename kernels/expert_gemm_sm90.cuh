@@ -16,9 +16,10 @@
 //                   GEMM1 with the gather fused (a_row_to_entry, `a` un-permuted [T, K]): the whole
 //                   warpgroup copies the activation rows with cp.async instead (producer_gather), into
 //                   the same swizzled slabs; the weights and scales stay bulk tensor copies.
-//   warpgroups 0-1  consumers (setmaxnreg 224; 104); warpgroup c, block b (0..1), warp w own the m16 tile
-//                   mt = 8c + 4b + w: rows g from slot mt, rows g+8 from slot 16 + mt (CTA-local weight
-//                   rows 8mt + g and 128 + 8mt + g; gated: gate and up of intermediate column 8mt + g).
+//   warpgroups 0-1  consumers (setmaxnreg 224; 104); warpgroup c, block b (0..kBlocks-1), warp w own the
+//                   m16 tile mt = 4 kBlocks c + 4b + w: rows g from slot mt, rows g+8 from slot kSlots/2 + mt
+//                   (CTA-local weight rows 8mt + g and kBlockN/2 + 8mt + g; gated: gate and up of
+//                   intermediate column 8mt + g).
 //                   Per stage: wait `full`, load 4 x 16 B of weights + 4 x 8 B of scales, then per
 //                   word q (two k16 steps): decode_word + bf16x2 scale multiply -> A fragments,
 //                   one wgmma group (m64nNk16, both blocks). The next stage's loads and word-0
@@ -90,7 +91,7 @@ struct TileConfig {
   static constexpr int kSlabBytes = kTileRows * 128;             // 64 K of kTileRows tokens
   // Activation rows per bulk tensor copy box: a stage loads only the boxes that cover the wgmma width
   // of the tile (wgmma_width), so a tile with few valid rows does not pull a whole slab from L2.
-  static constexpr int kActBoxRows = TileTokens == 128 ? 32 : TileTokens == 256 ? 64 : 16;
+  static constexpr int kActBoxRows = TileTokens / 4;  // 16 / 32 / 64
   static constexpr int kMinWidth = TileTokens == 256 ? 64 : 8;   // the narrowest wgmma instantiated
   static constexpr int kActBytes = 2 * kSlabBytes;
   static constexpr int kWeightBytes = kSlots * fp4layout::kChunkBytes;
