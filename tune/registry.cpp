@@ -24,7 +24,9 @@ struct FamilyRule {
 // One row per kernel family; candidate_tactics enumerates the product and filters by why_invalid.
 const FamilyRule kFamilies[] = {
     {GemmKernel::Sm90Wgmma, {64, 128, 256}, {1}},
-    {GemmKernel::Sm90Stream, {16, 32}, {1, 2, 4}},
+    // NOTE: split 6 serves GEMM2s with few CTAs along N and long K (llama4-scout T = 2, 4: 68.6 -> 64.0 us
+    // and 82.2 -> 81.0, w4a16, docs/perf.md twenty-eighth session); 3 and 8 won no bucket there.
+    {GemmKernel::Sm90Stream, {16, 32}, {1, 2, 4, 6}},
 };
 
 constexpr int64_t kKChunk = 128;  // K elements per pipeline stage of the streaming kernel

@@ -107,13 +107,13 @@ std::vector<MoeTactic> wgmma_then(std::vector<MoeTactic> a, const std::vector<Mo
 TEST(Registry, CandidatesFollowTheFamilyRules) {
   // Large K: every split allowed in both GEMMs (H=7168: 56 chunks, I=2048: 16 chunks).
   EXPECT_EQ(candidate_tactics(problem(256, 7168, 2048, 8)),
-            wgmma_then(stream_tactics(16, {1, 2, 4}, {1, 2, 4}), stream_tactics(32, {1, 2, 4}, {1, 2, 4})));
-  // Each GEMM splits by its own K: H = 1024 is 8 chunks (splits 1, 2, 4), I = 384 is 3 (no split).
+            wgmma_then(stream_tactics(16, {1, 2, 4, 6}, {1, 2, 4, 6}), stream_tactics(32, {1, 2, 4, 6}, {1, 2, 4, 6})));
+  // Each GEMM splits by its own K: H = 1024 is 8 chunks (splits 1, 2, 4; 6 needs 12), I = 384 is 3 (no split).
   EXPECT_EQ(candidate_tactics(problem(16, 1024, 384, 2)),
             wgmma_then(stream_tactics(16, {1, 2, 4}, {1}), stream_tactics(32, {1, 2, 4}, {1})));
   // qwen3-30b-a3b: H = 2048 (16 chunks), I = 768 (6 chunks: split 4 needs 8).
   EXPECT_EQ(candidate_tactics(problem(128, 2048, 768, 8)),
-            wgmma_then(stream_tactics(16, {1, 2, 4}, {1, 2}), stream_tactics(32, {1, 2, 4}, {1, 2})));
+            wgmma_then(stream_tactics(16, {1, 2, 4, 6}, {1, 2}), stream_tactics(32, {1, 2, 4, 6}, {1, 2})));
   // H = I = 384: no split at all.
   EXPECT_EQ(candidate_tactics(problem(16, 384, 384, 2)),
             (std::vector<MoeTactic>{kWgmma64, kWgmma128, kWgmma256, kStream1, kStream32x1}));
@@ -123,6 +123,10 @@ TEST(Registry, CandidatesFollowTheFamilyRules) {
   EXPECT_TRUE(tactic_valid(problem(16, 1040, 896, 2), kStream4x2));
   EXPECT_FALSE(tactic_valid(problem(16, 896, 1040, 2), kStream4));
   EXPECT_TRUE(tactic_valid(problem(16, 896, 1040, 2), (MoeTactic{GemmKernel::Sm90Stream, 16, 2, 4})));
+  // Split 6 needs 12 chunks: K = 1536 has them, 1408 (11) does not.
+  EXPECT_TRUE(tactic_valid(problem(16, 1536, 1536, 2), (MoeTactic{GemmKernel::Sm90Stream, 16, 6, 6})));
+  EXPECT_FALSE(tactic_valid(problem(16, 1536, 1408, 2), (MoeTactic{GemmKernel::Sm90Stream, 16, 6, 6})));
+  EXPECT_TRUE(tactic_valid(problem(16, 1536, 1408, 2), (MoeTactic{GemmKernel::Sm90Stream, 16, 6, 4})));
 }
 
 TEST(Registry, WhyInvalidNamesTheRule) {
@@ -134,7 +138,7 @@ TEST(Registry, WhyInvalidNamesTheRule) {
   EXPECT_EQ(why_invalid(p, MoeTactic{GemmKernel::Sm90Wgmma, 128, 2, 1}), "sm90_wgmma: split_k1 must be in {1}, got 2");
   EXPECT_EQ(why_invalid(p, MoeTactic{GemmKernel::Sm90Wgmma, 128, 1, 2}), "sm90_wgmma: split_k2 must be in {1}, got 2");
   EXPECT_EQ(why_invalid(p, MoeTactic{GemmKernel::Sm90Stream, 16, 3, 1}),
-            "sm90_stream: split_k1 must be in {1, 2, 4}, got 3");
+            "sm90_stream: split_k1 must be in {1, 2, 4, 6}, got 3");
   EXPECT_EQ(why_invalid(p, MoeTactic{GemmKernel::Sm90Stream, 64, 1, 1}),
             "sm90_stream: tile_tokens must be in {16, 32}, got 64");
   EXPECT_EQ(why_invalid(p, MoeTactic{GemmKernel::Sm90Stream, 16, 2, 1}), "");  // GEMM1: 8 chunks
