@@ -291,6 +291,7 @@ std::vector<BenchRow> bench_weights(const std::string& model, const MoeProblem& 
     row.clock = clocks.stop();
     row.median_us = median(t_us);
     row.min_us = *std::min_element(t_us.begin(), t_us.end());
+    row.replay_us = t_us;
 
     // Stage times: instrumented forwards (not graphs), L2 flushed before each.
     Events marks(MoeRunner::kForwardStages + 1);

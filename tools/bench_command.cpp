@@ -118,7 +118,7 @@ int run_bench_command(const BenchCommandOptions& o) {
                             {"experts_hit", r.experts_hit}, {"median_us", r.median_us}, {"min_us", r.min_us},
                             {"floor_us", r.floor_us}, {"pct_of_floor", r.pct_of_floor}, {"tflops", r.tflops},
                             {"weight_tbps", r.weight_tbps}, {"weight_bytes", r.weight_bytes}, {"flops", r.flops},
-                            {"tactic", r.tactic},
+                            {"tactic", r.tactic}, {"replays_us", r.replay_us},
                             {"stages_us", {{"route", r.stages.route_us}, {"permute", r.stages.permute_us},
                                            {"quantize", r.stages.quantize_us}, {"gemm1", r.stages.gemm1_us},
                                            {"gemm2", r.stages.gemm2_us}, {"finalize", r.stages.finalize_us}}}};

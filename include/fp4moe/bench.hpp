@@ -54,6 +54,7 @@ struct BenchRow {
   int64_t tokens = 0;
   int64_t experts_hit = 0;    // from the routing of this run
   double median_us = 0, min_us = 0;
+  std::vector<double> replay_us;  // every timed replay in launch order (median_us and min_us summarize it)
   double weight_bytes = 0;    // FP4 weights + e4m3 scales of the experts hit
   double bytes = 0;           // weight_bytes + activations in and out
   double flops = 0;           // 2 * T * k * (w13_rows * H + H * I)
