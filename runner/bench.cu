@@ -14,9 +14,11 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <set>
+#include <thread>
 #include <vector>
 
 #include "fp4moe/bench.hpp"
@@ -118,7 +120,7 @@ LayerInputs random_inputs(const MoeProblem& p, int64_t T, uint64_t seed) {
 // replays first); returns the per-replay microseconds. With give_up_us > 0, stops after the first
 // timed replay when it exceeds give_up_us (the result then has one element).
 std::vector<double> time_replays(MoeRunner& runner, cudaStream_t stream, const ForwardArgs& a, void* flush,
-                                 size_t flush_bytes, int warmup, int reps, double give_up_us = 0) {
+                                 size_t flush_bytes, int warmup, int reps, double give_up_us = 0, int warmup_ms = 0) {
   cudaGraph_t graph;
   cudaGraphExec_t exec;
   ck(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), "begin capture");
@@ -128,6 +130,17 @@ std::vector<double> time_replays(MoeRunner& runner, cudaStream_t stream, const F
   ck(cudaGraphInstantiate(&exec, graph, 0), "graph instantiate");
   Events ev(2 * reps);
   for (int i = 0; i < warmup; ++i) ck(cudaGraphLaunch(exec, stream), "graph launch");
+  if (warmup_ms > 0) {  // replays as the timed ones (flush, forward) for warmup_ms of wall time
+    ck(cudaStreamSynchronize(stream), "warm-up");
+    const auto t0 = std::chrono::steady_clock::now();
+    while (std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count() < warmup_ms) {
+      for (int i = 0; i < 8; ++i) {  // a batch in flight between host checks
+        ck(cudaMemsetAsync(flush, i, flush_bytes, stream), "L2 flush");
+        ck(cudaGraphLaunch(exec, stream), "graph launch");
+      }
+      ck(cudaStreamSynchronize(stream), "warm-up");
+    }
+  }
   int timed = 0;  // replays recorded
   for (int i = 0; i < reps; ++i) {
     ck(cudaMemsetAsync(flush, i & 0xFF, flush_bytes, stream), "L2 flush");
@@ -287,7 +300,9 @@ std::vector<BenchRow> bench_weights(const std::string& model, const MoeProblem& 
     }
 
     clocks.start();
-    const std::vector<double> t_us = time_replays(*runner, stream, a, flush.ptr, flush_bytes, opt.warmup, opt.reps);
+    if (opt.idle_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(opt.idle_ms));
+    const std::vector<double> t_us =
+        time_replays(*runner, stream, a, flush.ptr, flush_bytes, opt.warmup, opt.reps, 0.0, opt.warmup_ms);
     row.clock = clocks.stop();
     row.median_us = median(t_us);
     row.min_us = *std::min_element(t_us.begin(), t_us.end());

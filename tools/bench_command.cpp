@@ -49,6 +49,12 @@ void add_bench_command(CLI::App& app, BenchCommandOptions& o) {
   b->add_option("--json", o.json, "Write the results as JSON to this file");
   b->add_option("--csv", o.csv, "Write the results as CSV to this file");
   b->add_option("--reps", o.reps, "Timed replays per row (>= 20)")->capture_default_str();
+  b->add_option("--idle-ms", o.idle_ms, "Rest the GPU this long before each row (rested-board timing)")
+      ->check(CLI::Range(0, 600000))
+      ->capture_default_str();
+  b->add_option("--warmup-ms", o.warmup_ms, "Keep replaying this long before each row's timed replays (loaded-board timing)")
+      ->check(CLI::Range(0, 600000))
+      ->capture_default_str();
   b->add_option("--tactic", o.tactic,
                 "Force a tactic, e.g. sm90_wgmma/t256/s1 or sm90_stream/t16/s1x4 (GEMM1 split 1 way along K, GEMM2 "
                 "4 ways; default: the runner's choice)");
@@ -76,6 +82,8 @@ int run_bench_command(const BenchCommandOptions& o) {
               c.sm_count, c.copy_tbps, c.bf16_tflops);
   BenchOptions opt;
   opt.reps = o.reps;
+  opt.idle_ms = o.idle_ms;
+  opt.warmup_ms = o.warmup_ms;
   opt.refcheck = !o.no_refcheck;
   if (!opt.refcheck) std::fprintf(stderr, "bench: --no-refcheck: the outputs are NOT checked against the CPU reference\n");
   if (!o.tactic.empty()) {

@@ -15,6 +15,7 @@ struct BenchCommandOptions {
   std::string mode = "w4a4_scalar";
   std::string json, csv;
   int reps = 30;
+  int idle_ms = 0, warmup_ms = 0;  // BenchOptions
   std::string tactic;      // force a tactic (describe() form, e.g. sm90_wgmma/t256/s1)
   bool no_refcheck = false;  // time without checking the output (experiments that knowingly break it)
   std::string checkpoint;  // instead of --model: a checkpoint directory ...

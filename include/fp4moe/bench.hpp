@@ -31,6 +31,13 @@ Ceilings measure_ceilings();
 struct BenchOptions {
   int warmup = 5;
   int reps = 30;   // >= 20
+  // NOTE (power state): on an H200 the replays of a large row run 7-17% slower once the board has been
+  // busy for ~20-60 ms (docs/perf.md, twenty-eighth session), so a row's median depends on how long the
+  // GPU rested before it. idle_ms rests before each row's warm-up (the first replays then start from a
+  // rested board); warmup_ms keeps replaying (with the L2 flush) after the counted warm-up until that
+  // long has passed (the timed replays then see the loaded board). 0: off.
+  int idle_ms = 0;
+  int warmup_ms = 0;
   uint64_t seed = 1;
   std::optional<MoeTactic> tactic;  // force this tactic (MoeRunner::force_tactic); default: the runner's choice
   bool refcheck = true;             // check each row's first tokens against the CPU reference (throws on a mismatch)
