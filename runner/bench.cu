@@ -118,9 +118,11 @@ LayerInputs random_inputs(const MoeProblem& p, int64_t T, uint64_t seed) {
 
 // Captures one forward in a CUDA graph and times `reps` replays, each after an L2 flush (warm-up
 // replays first); returns the per-replay microseconds. With give_up_us > 0, stops after the first
-// timed replay when it exceeds give_up_us (the result then has one element).
+// timed replay when it exceeds give_up_us (the result then has one element). With clocks, the monitor
+// samples from the end of the warm-up to the end of the timed replays.
 std::vector<double> time_replays(MoeRunner& runner, cudaStream_t stream, const ForwardArgs& a, void* flush,
-                                 size_t flush_bytes, int warmup, int reps, double give_up_us = 0, int warmup_ms = 0) {
+                                 size_t flush_bytes, int warmup, int reps, double give_up_us = 0, int warmup_ms = 0,
+                                 ClockMonitor* clocks = nullptr) {
   cudaGraph_t graph;
   cudaGraphExec_t exec;
   ck(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), "begin capture");
@@ -140,6 +142,10 @@ std::vector<double> time_replays(MoeRunner& runner, cudaStream_t stream, const F
       }
       ck(cudaStreamSynchronize(stream), "warm-up");
     }
+  }
+  if (clocks) {
+    ck(cudaStreamSynchronize(stream), "warm-up");  // the window holds the timed replays only
+    clocks->start();
   }
   int timed = 0;  // replays recorded
   for (int i = 0; i < reps; ++i) {
@@ -300,9 +306,9 @@ std::vector<BenchRow> bench_weights(const std::string& model, const MoeProblem& 
     }
 
     if (opt.idle_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(opt.idle_ms));
-    clocks.start();  // NOTE: after the rest (its idle clock is not the row's); the warm-up is inside the window
+    // NOTE: the clock window opens after the rest and the warm-up (time_replays starts it): neither is the row's.
     const std::vector<double> t_us =
-        time_replays(*runner, stream, a, flush.ptr, flush_bytes, opt.warmup, opt.reps, 0.0, opt.warmup_ms);
+        time_replays(*runner, stream, a, flush.ptr, flush_bytes, opt.warmup, opt.reps, 0.0, opt.warmup_ms, &clocks);
     row.clock = clocks.stop();
     row.median_us = median(t_us);
     row.min_us = *std::min_element(t_us.begin(), t_us.end());

@@ -43,7 +43,8 @@ struct BenchOptions {
   bool refcheck = true;             // check each row's first tokens against the CPU reference (throws on a mismatch)
 };
 
-// The SM clock and board power of one GPU over a window (NVML samples, runner/clock_monitor.hpp).
+// The SM clock and board power of one GPU over a window (NVML samples, runner/clock_monitor.hpp); a
+// bench row's window holds its timed replays, not its rest or warm-up.
 struct ClockStats {
   int samples = 0;  // 0: no measurement (NVML unavailable, or the window was shorter than a period)
   double mean_sm_mhz = 0, min_sm_mhz = 0, max_sm_mhz = 0;
