@@ -18,11 +18,16 @@
 //
 // Word q (0..3) of a lane's 16 bytes holds the 8 elements of k16 steps 2q and 2q+1 (cols relative to
 // the chunk: 32q + {2t, 2t+1, 2t+8, 2t+9, 16+2t, 16+2t+1, 24+2t, 24+2t+1}). Their bits are placed so
-// that four bf16x2 registers come out with 9 ALU instructions (decode_word):
+// that four bf16x2 registers come out with 6 integer-pipe instructions and 3 left shifts (decode_word):
 //   out0 = w & M                      -> a0 of step 2q   (M = 0x81C081C0: sign bit 15, EM bits 8..6
-//   out1 = rotl(w, 26) & M            -> a2 of step 2q    of each bf16 half)
-//   out2 = rotl(w, 6) & M             -> a0 of step 2q+1
-//   out3 = rotl(w,4)&0x81808180 | rotl(w,28)&0x00400040 -> a2 of step 2q+1
+//   out1 = (w << 4) & M               -> a2 of step 2q    of each bf16 half)
+//   out2 = r & M, r = rotl(w, 10)     -> a0 of step 2q+1
+//   out3 = (r << 4) & 0x01000100 | (w << 6) & 0x80C080C0 -> a2 of step 2q+1
+// NOTE (pipes): the decode is bound by the SM's integer pipe (LOP3, SHF, PRMT, LEA: 16 lanes per
+// sub-partition). ptxas issues a left shift as IMAD.SHL on the FMA pipe, so the layout takes three of
+// the four outputs' sources by left shifts (of w, or of r where w would wrap): 5 LOP3 + 1 SHF on the
+// integer pipe per word instead of 5 LOP3 + 4 SHF (rotations only). At least one rotation is needed:
+// the four outputs' low-half targets (bits 6..8) need 12 sources at or below bit 8.
 // Each half then holds the e2m1 code as a bf16 bit pattern: sign at bit 15, the 2 exponent bits and
 // the mantissa bit at bits 8..6, i.e. exactly q * 2^-126 (q = +-{0,.5,1,1.5,2,3,4,6}; 0.5 is a bf16
 // subnormal). kSlot below lists, per output register and half, which word bits hold sign/E1/E0/M.
@@ -61,9 +66,9 @@ struct SlotBits {
 };
 inline constexpr SlotBits kSlot[4][2] = {
     {{15, 8, 7, 6}, {31, 24, 23, 22}},      // out0 = w & M
-    {{21, 14, 13, 12}, {5, 30, 29, 28}},    // out1 = rotl(w, 26) & M
-    {{9, 2, 1, 0}, {25, 18, 17, 16}},       // out2 = rotl(w, 6) & M
-    {{11, 4, 3, 10}, {27, 20, 19, 26}},     // out3 = rotl(w, 4) & 0x81808180 | rotl(w, 28) & 0x00400040
+    {{11, 4, 3, 2}, {27, 20, 19, 18}},      // out1 = (w << 4) & M
+    {{5, 30, 29, 28}, {21, 14, 13, 12}},    // out2 = rotl(w, 10) & M
+    {{9, 26, 1, 0}, {25, 10, 17, 16}},      // out3 = rotl(w, 14) & 0x01000100 | (w << 6) & 0x80C080C0
 };
 
 // Column (K offset within the 128-wide chunk) of element (word q, output j, half h) for lane t.
@@ -80,9 +85,10 @@ FP4MOE_HD uint32_t rotl32(uint32_t x, int r) {
 // The four bf16x2 registers (values q * 2^-126) of one word, before the scale multiply.
 FP4MOE_HD void decode_word(uint32_t w, uint32_t (&out)[4]) {
   out[0] = w & kEmMask;
-  out[1] = rotl32(w, 26) & kEmMask;
-  out[2] = rotl32(w, 6) & kEmMask;
-  out[3] = (rotl32(w, 4) & 0x81808180u) | (rotl32(w, 28) & 0x00400040u);
+  out[1] = (w << 4) & kEmMask;
+  const uint32_t r = rotl32(w, 10);
+  out[2] = r & kEmMask;
+  out[3] = ((r << 4) & 0x01000100u) | ((w << 6) & 0x80C080C0u);  // r << 4 == rotl(w, 14) on these bits
 }
 
 // bf16x2 {sf(kblock 2p) * 2^118 (low half), sf(kblock 2p+1) * 2^118 (high half)} from the 4 scale

@@ -68,8 +68,9 @@
 // step is the lane's base plus an immediate. NOTE: the XOR swizzle it replaces (segment c of a
 // 256-byte row at c ^ (r & 7)) cost a LOP3 + IADD per ldmatrix, 16 of the ~225 instructions per warp
 // and chunk of the 8-token main loop (SASS).
-// NOTE (cost): per chunk a lane decodes 64 weights with ~8 x 9 LOP/SHF + 8 scale + 16 HMUL2 ~ 1.9
-// instructions per weight, 4 LDS, 8 ldmatrix and 8 or 16 mma.sync.
+// NOTE (cost): per chunk a lane decodes 64 weights (8 words) with 8 x (6 LOP3/SHF + 3 IMAD.SHL) + 8 x
+// (PRMT + LEA) for the scales + 32 HMUL2 ~ 1.9 instructions per weight, of which 1.0 on the integer
+// pipe (expert_gemm_layout.cuh); then 4 LDS, 8 ldmatrix and 8 or 16 mma.sync.
 #pragma once
 
 #include <cuda_bf16.h>
