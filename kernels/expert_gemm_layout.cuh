@@ -23,11 +23,13 @@
 //   out1 = (w << 4) & M               -> a2 of step 2q    of each bf16 half)
 //   out2 = r & M, r = rotl(w, 10)     -> a0 of step 2q+1
 //   out3 = (r << 4) & 0x01000100 | (w << 6) & 0x80C080C0 -> a2 of step 2q+1
-// NOTE (pipes): the decode is bound by the SM's integer pipe (LOP3, SHF, PRMT, LEA: 16 lanes per
-// sub-partition). ptxas issues a left shift as IMAD.SHL on the FMA pipe, so the layout takes three of
-// the four outputs' sources by left shifts (of w, or of r where w would wrap): 5 LOP3 + 1 SHF on the
-// integer pipe per word instead of 5 LOP3 + 4 SHF (rotations only). At least one rotation is needed:
-// the four outputs' low-half targets (bits 6..8) need 12 sources at or below bit 8.
+// NOTE (pipes): LOP3, SHF, PRMT and LEA share the SM's integer pipe (16 lanes per sub-partition), which
+// the decode loaded most. ptxas issues a left shift as IMAD.SHL on the FMA pipe, so the layout takes
+// three of the four outputs' sources by left shifts (of w, or of r where w would wrap): 5 LOP3 + 1 SHF
+// on the integer pipe per word instead of 5 LOP3 + 4 SHF (rotations only; decode rows 0.984, prefill
+// 0.98). At least one rotation is needed: the four outputs' low-half targets (bits 6..8) need 12
+// sources at or below bit 8. The FMA pipe now carries about as much (IMAD + HMUL2): moving the scale
+// multiply there as well was slower (docs/perf.md, twenty-ninth session).
 // Each half then holds the e2m1 code as a bf16 bit pattern: sign at bit 15, the 2 exponent bits and
 // the mantissa bit at bits 8..6, i.e. exactly q * 2^-126 (q = +-{0,.5,1,1.5,2,3,4,6}; 0.5 is a bf16
 // subnormal). kSlot below lists, per output register and half, which word bits hold sign/E1/E0/M.
