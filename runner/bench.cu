@@ -116,12 +116,53 @@ LayerInputs random_inputs(const MoeProblem& p, int64_t T, uint64_t seed) {
   return in;
 }
 
+// Reads every 16 bytes of `p` (n of them), so that the L2 ends up holding clean lines of this buffer.
+// NOTE: the sink store depends on every load, so none is dropped; it never happens for a buffer that
+// was memset to a byte other than 0xFF.
+__global__ void l2_flush_read_kernel(const uint4* __restrict__ p, size_t n, uint32_t* sink) {
+  uint32_t x = 0;
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    const uint4 v = p[i];
+    x |= ~(v.x & v.y & v.z & v.w);
+  }
+  if (x == 0) *sink = 1;
+}
+
+// The L2 flush before every timed replay (BenchOptions::l2_flush): a 256 MiB buffer, > 4x the 60 MB
+// L2, read by l2_flush_read_kernel or overwritten by cudaMemset.
+class L2Flusher {
+ public:
+  explicit L2Flusher(L2Flush kind) : kind_(kind), buf_(kBytes), sink_(4) {
+    ck(cudaMemset(buf_.ptr, 0, kBytes), "L2 flush buffer");  // written once: its dirty lines leave at the first read
+    ck(cudaDeviceSynchronize(), "L2 flush buffer");
+    int dev = 0;
+    ck(cudaGetDevice(&dev), "cudaGetDevice");
+    ck(cudaDeviceGetAttribute(&sms_, cudaDevAttrMultiProcessorCount, dev), "SM count");
+  }
+  // Flush number i of a series (the memset's byte value varies with it).
+  void operator()(cudaStream_t stream, int i) const {
+    if (kind_ == L2Flush::Write) {
+      ck(cudaMemsetAsync(buf_.ptr, i & 0xFF, kBytes, stream), "L2 flush");
+      return;
+    }
+    l2_flush_read_kernel<<<4 * sms_, 512, 0, stream>>>(static_cast<const uint4*>(buf_.ptr), kBytes / 16,
+                                                       static_cast<uint32_t*>(sink_.ptr));
+    ck(cudaGetLastError(), "L2 flush");
+  }
+
+ private:
+  static constexpr size_t kBytes = size_t(256) << 20;
+  L2Flush kind_;
+  Buffer buf_, sink_;
+  int sms_ = 0;
+};
+
 // Captures one forward in a CUDA graph and times `reps` replays, each after an L2 flush (warm-up
 // replays first); returns the per-replay microseconds. With give_up_us > 0, stops after the first
 // timed replay when it exceeds give_up_us (the result then has one element). With clocks, the monitor
 // samples from the end of the warm-up to the end of the timed replays.
-std::vector<double> time_replays(MoeRunner& runner, cudaStream_t stream, const ForwardArgs& a, void* flush,
-                                 size_t flush_bytes, int warmup, int reps, double give_up_us = 0, int warmup_ms = 0,
+std::vector<double> time_replays(MoeRunner& runner, cudaStream_t stream, const ForwardArgs& a, const L2Flusher& flush,
+                                 int warmup, int reps, double give_up_us = 0, int warmup_ms = 0,
                                  ClockMonitor* clocks = nullptr) {
   cudaGraph_t graph;
   cudaGraphExec_t exec;
@@ -137,7 +178,7 @@ std::vector<double> time_replays(MoeRunner& runner, cudaStream_t stream, const F
     const auto t0 = std::chrono::steady_clock::now();
     while (std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count() < warmup_ms) {
       for (int i = 0; i < 8; ++i) {  // a batch in flight between host checks
-        ck(cudaMemsetAsync(flush, i, flush_bytes, stream), "L2 flush");
+        flush(stream, i);
         ck(cudaGraphLaunch(exec, stream), "graph launch");
       }
       ck(cudaStreamSynchronize(stream), "warm-up");
@@ -149,7 +190,7 @@ std::vector<double> time_replays(MoeRunner& runner, cudaStream_t stream, const F
   }
   int timed = 0;  // replays recorded
   for (int i = 0; i < reps; ++i) {
-    ck(cudaMemsetAsync(flush, i & 0xFF, flush_bytes, stream), "L2 flush");
+    flush(stream, i);
     ck(cudaEventRecord(ev.ev[2 * i], stream), "record");
     ck(cudaGraphLaunch(exec, stream), "graph launch");
     ck(cudaEventRecord(ev.ev[2 * i + 1], stream), "record");
@@ -258,8 +299,7 @@ std::vector<BenchRow> bench_weights(const std::string& model, const MoeProblem& 
   const size_t ws_bytes = runner->workspace_size(max_t);
   Buffer ws(ws_bytes), hidden(max_t * H * 2), logits(max_t * E * 4), bias(E * 4), ids(max_t * k * 4),
       wts(max_t * k * 4), out(max_t * H * 2);
-  const size_t flush_bytes = size_t(256) << 20;  // > 4x the 60 MB L2
-  Buffer flush(flush_bytes);
+  const L2Flusher flush(opt.l2_flush);
   int dev = 0;
   char bus_id[32] = {};
   ck(cudaGetDevice(&dev), "cudaGetDevice");
@@ -308,7 +348,7 @@ std::vector<BenchRow> bench_weights(const std::string& model, const MoeProblem& 
     if (opt.idle_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(opt.idle_ms));
     // NOTE: the clock window opens after the rest and the warm-up (time_replays starts it): neither is the row's.
     const std::vector<double> t_us =
-        time_replays(*runner, stream, a, flush.ptr, flush_bytes, opt.warmup, opt.reps, 0.0, opt.warmup_ms, &clocks);
+        time_replays(*runner, stream, a, flush, opt.warmup, opt.reps, 0.0, opt.warmup_ms, &clocks);
     row.clock = clocks.stop();
     row.median_us = median(t_us);
     row.min_us = *std::min_element(t_us.begin(), t_us.end());
@@ -318,7 +358,7 @@ std::vector<BenchRow> bench_weights(const std::string& model, const MoeProblem& 
     Events marks(MoeRunner::kForwardStages + 1);
     std::vector<std::vector<double>> st(MoeRunner::kForwardStages);
     for (int i = 0; i < 5; ++i) {
-      ck(cudaMemsetAsync(flush.ptr, i, flush_bytes, stream), "L2 flush");
+      flush(stream, i);
       if (Status s = runner->forward_marked(stream, a, false, marks.ev.data()); !s.ok()) throw Error(s.message);
       ck(cudaStreamSynchronize(stream), "instrumented forward");
       for (int j = 0; j < MoeRunner::kForwardStages; ++j) st[j].push_back(1e3 * marks.ms(j, j + 1));
@@ -371,8 +411,7 @@ std::vector<TuneEntry> tune_problem(const std::string& label, const MoeProblem& 
   ck(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
   Buffer ws(ws_bytes), hidden(max_t * H * 2), logits(max_t * E * 4), bias(E * 4), ids(max_t * k * 4),
       wts(max_t * k * 4), out(max_t * H * 2);
-  const size_t flush_bytes = size_t(256) << 20;
-  Buffer flush(flush_bytes);
+  const L2Flusher flush(o.l2_flush);
 
   std::vector<TuneEntry> entries;
   for (size_t bi = 0; bi < buckets.size(); ++bi) {
@@ -411,7 +450,7 @@ std::vector<TuneEntry> tune_problem(const std::string& label, const MoeProblem& 
       runner->force_tactic(t);
       // NOTE: a candidate whose first replay is 1.5x the best median is not within noise of winning.
       const std::vector<double> us =
-          time_replays(*runner, stream, a, flush.ptr, flush_bytes, 1, reps, best > 0 ? 1.5 * best : 0.0);
+          time_replays(*runner, stream, a, flush, 1, reps, best > 0 ? 1.5 * best : 0.0);
       const double m = median(us);
       // Long layers vary less (~1% at 1 ms and above): about 100 ms of replays per candidate is enough.
       if (best == 0) reps = static_cast<int>(std::clamp(1e5 / m, 7.0, static_cast<double>(o.reps)));
@@ -437,7 +476,7 @@ std::vector<TuneEntry> tune_problem(const std::string& label, const MoeProblem& 
     for (int round = 0; round < kRounds; ++round)
       for (size_t i = 0; i < screened.size(); ++i) {
         runner->force_tactic(screened[i].second);
-        const std::vector<double> us = time_replays(*runner, stream, a, flush.ptr, flush_bytes, 1, reps);
+        const std::vector<double> us = time_replays(*runner, stream, a, flush, 1, reps);
         confirm[i].insert(confirm[i].end(), us.begin(), us.end());
       }
     if (log_level() >= LogLevel::Debug)

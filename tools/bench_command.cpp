@@ -55,6 +55,11 @@ void add_bench_command(CLI::App& app, BenchCommandOptions& o) {
   b->add_option("--warmup-ms", o.warmup_ms, "Keep replaying this long before each row's timed replays (loaded-board timing)")
       ->check(CLI::Range(0, 600000))
       ->capture_default_str();
+  b->add_option("--l2-flush", o.l2_flush,
+                "How each replay's weights are made cold: read (a 256 MiB read leaves the L2 clean) or write (a "
+                "256 MiB memset leaves it dirty, and the layer's reads then also pay the write-back)")
+      ->check(CLI::IsMember({"read", "write"}))
+      ->capture_default_str();
   b->add_option("--tactic", o.tactic,
                 "Force a tactic, e.g. sm90_wgmma/t256/s1 or sm90_stream/t16/s1x4 (GEMM1 split 1 way along K, GEMM2 "
                 "4 ways; default: the runner's choice)");
@@ -85,12 +90,14 @@ int run_bench_command(const BenchCommandOptions& o) {
   opt.idle_ms = o.idle_ms;
   opt.warmup_ms = o.warmup_ms;
   opt.refcheck = !o.no_refcheck;
+  opt.l2_flush = parse_l2_flush(o.l2_flush, "--l2-flush");
   if (!opt.refcheck) std::fprintf(stderr, "bench: --no-refcheck: the outputs are NOT checked against the CPU reference\n");
   if (!o.tactic.empty()) {
     opt.tactic = parse_tactic(o.tactic);
     check(opt.tactic.has_value(), "--tactic: expected KERNEL/tTILE/sSPLIT or KERNEL/tTILE/sSPLIT1xSPLIT2 (e.g. ",
           "sm90_wgmma/t256/s1, sm90_stream/t16/s1x4), got '", o.tactic, "'");
   }
+  std::printf("L2 flush before each replay: %s\n", std::string(to_string(opt.l2_flush)).c_str());
   std::vector<BenchRow> rows;
   for (const auto& m : models) {
     auto r = bench_model(m, preset(m, mode), tokens, c, opt, true);
@@ -120,6 +127,7 @@ int run_bench_command(const BenchCommandOptions& o) {
     j["gpu"] = c.gpu_name;
     j["sm_count"] = c.sm_count;
     j["ceilings"] = {{"copy_tbps", c.copy_tbps}, {"bf16_tflops", c.bf16_tflops}};
+    j["l2_flush"] = std::string(to_string(opt.l2_flush));
     j["rows"] = nlohmann::json::array();
     for (const BenchRow& r : rows) {
       nlohmann::json row = {{"model", r.model}, {"mode", std::string(to_string(r.mode))}, {"tokens", r.tokens},

@@ -16,6 +16,7 @@ struct BenchCommandOptions {
   std::string json, csv;
   int reps = 30;
   int idle_ms = 0, warmup_ms = 0;  // BenchOptions
+  std::string l2_flush = "read";   // BenchOptions::l2_flush
   std::string tactic;      // force a tactic (describe() form, e.g. sm90_wgmma/t256/s1)
   bool no_refcheck = false;  // time without checking the output (experiments that knowingly break it)
   std::string checkpoint;  // instead of --model: a checkpoint directory ...

@@ -45,6 +45,10 @@ void add_tune_command(CLI::App& app, TuneOptions& o) {
       ->excludes(max_tokens);
   c->add_option("--mode", o.mode, "w4a16, w4a4_scalar or w4a4_per_expert (profiling)")->capture_default_str();
   c->add_option("--cache", o.cache, "Tune cache file (default: FP4MOE_TUNE_CACHE, else ./fp4moe-tune-cache.json)");
+  c->add_option("--l2-flush", o.l2_flush,
+                "How each replay's weights are made cold, as in `fp4moe bench` (profiling): read or write")
+      ->check(CLI::IsMember({"read", "write"}))
+      ->capture_default_str();
   c->add_flag("--show", o.show, "Print the cache as a table instead of profiling");
   o.command = c;
 }
@@ -100,6 +104,7 @@ int run_tune_profile(const TuneOptions& o) {
   for (const std::string& m : models) (void)preset(m, mode);  // unknown names fail before any GPU work
   TuneProfileOptions po;
   po.max_tokens = o.max_tokens;
+  po.l2_flush = parse_l2_flush(o.l2_flush, "--l2-flush");
   if (!o.tokens.empty()) po.tokens = parse_tokens(o.tokens);
   std::string why;
   if (!cuda_device_available(&why)) {

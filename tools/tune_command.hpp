@@ -1,7 +1,7 @@
 // tools/tune_command.hpp — the `fp4moe tune` subcommand.
 //
 //   fp4moe tune --show [--cache FILE]                                   print the cache as tables
-//   fp4moe tune --model PRESET[,PRESET] [--max-tokens N | --tokens T[,T]] [--cache FILE]
+//   fp4moe tune --model PRESET[,PRESET] [--max-tokens N | --tokens T[,T]] [--cache FILE] [--l2-flush read|write]
 //                                                                       profile (CUDA build; run_tune_profile)
 //
 // The cache path: --cache, else FP4MOE_TUNE_CACHE, else ./fp4moe-tune-cache.json.
@@ -20,6 +20,7 @@ struct TuneOptions {
   std::string tokens;          // else, when given: only the buckets of these T, comma-separated
   std::string mode = "w4a4_scalar";  // quant mode of the presets (profiling)
   std::string cache;           // "" = default_tune_cache_path()
+  std::string l2_flush = "read";  // TuneProfileOptions::l2_flush (profiling)
   bool show = false;           // print the cache instead of profiling
   CLI::App* command = nullptr;
 };

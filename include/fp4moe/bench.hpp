@@ -11,8 +11,10 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
+#include "fp4moe/error.hpp"
 #include "fp4moe/problem.hpp"
 #include "fp4moe/reference.hpp"
 #include "fp4moe/tactic.hpp"
@@ -28,6 +30,22 @@ struct Ceilings {
 };
 Ceilings measure_ceilings();
 
+// How a replay's weights are made cold in HBM (the bench's and the tuner's L2 flush before every replay).
+//   Read:  a kernel reads a 256 MiB buffer: the L2 then holds clean lines, which the layer's reads
+//          replace at no cost.
+//   Write: cudaMemset of that buffer (the method before 2026-12-04): the L2 then holds ~50 MB of dirty
+//          lines, and each line the layer's reads replace is first written back to HBM, so a layer that
+//          reads less than the L2 moves up to twice its bytes (qwen3-30b-a3b T = 1: 21 MB of weights,
+//          ~21 MB of write-back; docs/perf.md, thirtieth session).
+enum class L2Flush { Read, Write };
+inline std::string_view to_string(L2Flush flush) { return flush == L2Flush::Read ? "read" : "write"; }
+// "read" or "write"; throws fp4moe::Error naming `what` otherwise.
+inline L2Flush parse_l2_flush(std::string_view name, std::string_view what) {
+  if (name == "read") return L2Flush::Read;
+  if (name == "write") return L2Flush::Write;
+  throw Error(detail::concat(what, ": expected read or write, got '", name, "'"));
+}
+
 struct BenchOptions {
   int warmup = 5;
   int reps = 30;   // >= 20
@@ -41,6 +59,7 @@ struct BenchOptions {
   uint64_t seed = 1;
   std::optional<MoeTactic> tactic;  // force this tactic (MoeRunner::force_tactic); default: the runner's choice
   bool refcheck = true;             // check each row's first tokens against the CPU reference (throws on a mismatch)
+  L2Flush l2_flush = L2Flush::Read;
 };
 
 // The SM clock and board power of one GPU over a window (NVML samples, runner/clock_monitor.hpp); a
@@ -95,6 +114,7 @@ struct TuneProfileOptions {
   int reps = 15;               // timed graph replays per (bucket, tactic), L2 flushed before each
   uint64_t seed = 1;
   bool progress = true;        // a progress line on stderr
+  L2Flush l2_flush = L2Flush::Read;  // as the bench's (BenchOptions)
 };
 // For every bucket of buckets_to_tune(max_tokens, tokens): times every candidate tactic of the problem
 // (candidate_tactics) at the bucket's representative T on random weights and inputs routed by the

@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <string>
 
+#include "fp4moe/bench.hpp"
 #include "fp4moe/case_file.hpp"
 #include "fp4moe/presets.hpp"
 #include "fp4moe/reference.hpp"
@@ -90,6 +91,34 @@ TEST(Cli, BenchWithAnUnknownPresetFailsBeforeAnyGpuWork) {
   const CliRun r = cli("bench --model no-such-model --tokens 1");
   EXPECT_EQ(r.status, 2);
   EXPECT_THAT(r.output, HasSubstr("no-such-model"));
+}
+
+TEST(Cli, BenchAndTuneRejectAnUnknownL2Flush) {
+  for (const char* command : {"bench --model tiny --tokens 1 --l2-flush sideways", "tune --model tiny --l2-flush sideways"}) {
+    const CliRun r = cli(command);
+    EXPECT_NE(r.status, 0) << command;  // a command-line error (CLI11's exit status), before any GPU work
+    EXPECT_THAT(r.output, AllOf(HasSubstr("--l2-flush"), HasSubstr("sideways"))) << command;
+  }
+}
+
+TEST(Cli, BenchHelpNamesBothL2Flushes) {
+  const CliRun r = cli("bench --help");
+  EXPECT_EQ(r.status, 0);
+  EXPECT_THAT(r.output, AllOf(HasSubstr("--l2-flush"), HasSubstr("read"), HasSubstr("write")));
+}
+
+TEST(BenchOptions, ParsesL2FlushNamesAndRejectsOthers) {
+  EXPECT_EQ(parse_l2_flush("read", "x"), L2Flush::Read);
+  EXPECT_EQ(parse_l2_flush("write", "x"), L2Flush::Write);
+  EXPECT_EQ(to_string(L2Flush::Read), "read");
+  EXPECT_EQ(to_string(L2Flush::Write), "write");
+  EXPECT_EQ(parse_l2_flush(to_string(BenchOptions{}.l2_flush), "x"), L2Flush::Read);  // the default
+  try {
+    parse_l2_flush("Read", "--l2-flush");
+    FAIL() << "no error for 'Read'";
+  } catch (const Error& e) {
+    EXPECT_THAT(e.what(), AllOf(HasSubstr("--l2-flush"), HasSubstr("'Read'"), HasSubstr("read or write")));
+  }
 }
 
 }  // namespace
