@@ -28,6 +28,7 @@
 #include "fp4moe/runner.hpp"
 #include "runner/clock_monitor.hpp"
 #include "runner/device_buffer.hpp"
+#include "runner/l2_flush.cuh"
 
 namespace fp4moe {
 namespace {
@@ -116,20 +117,8 @@ LayerInputs random_inputs(const MoeProblem& p, int64_t T, uint64_t seed) {
   return in;
 }
 
-// Reads every 16 bytes of `p` (n of them), so that the L2 ends up holding clean lines of this buffer.
-// NOTE: the sink store depends on every load, so none is dropped; it never happens for a buffer that
-// was memset to a byte other than 0xFF.
-__global__ void l2_flush_read_kernel(const uint4* __restrict__ p, size_t n, uint32_t* sink) {
-  uint32_t x = 0;
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
-    const uint4 v = p[i];
-    x |= ~(v.x & v.y & v.z & v.w);
-  }
-  if (x == 0) *sink = 1;
-}
-
 // The L2 flush before every timed replay (BenchOptions::l2_flush): a 256 MiB buffer, > 4x the 60 MB
-// L2, read by l2_flush_read_kernel or overwritten by cudaMemset.
+// L2, read (runner/l2_flush.cuh) or overwritten by cudaMemset.
 class L2Flusher {
  public:
   explicit L2Flusher(L2Flush kind) : kind_(kind), buf_(kBytes), sink_(4) {
@@ -145,8 +134,7 @@ class L2Flusher {
       ck(cudaMemsetAsync(buf_.ptr, i & 0xFF, kBytes, stream), "L2 flush");
       return;
     }
-    l2_flush_read_kernel<<<4 * sms_, 512, 0, stream>>>(static_cast<const uint4*>(buf_.ptr), kBytes / 16,
-                                                       static_cast<uint32_t*>(sink_.ptr));
+    l2flush::launch_read(buf_.ptr, kBytes, static_cast<uint32_t*>(sink_.ptr), sms_, stream);
     ck(cudaGetLastError(), "L2 flush");
   }
 

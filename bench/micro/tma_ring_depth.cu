@@ -37,6 +37,7 @@
 #include <cstdlib>
 #include <vector>
 
+#include "../../runner/l2_flush.cuh"  // the bench's read flush
 #include "cuda_check.cuh"  // CHECK
 
 constexpr int kStages = 8;
@@ -140,17 +141,6 @@ __global__ void __launch_bounds__(256) ring_kernel(const __grid_constant__ Maps 
   if (acc == 0x12345678u) sink[0] = acc;  // keeps the reads
 }
 
-// Reads every 16 bytes of the flush buffer: the L2 then holds clean lines (no write-back when the ring's
-// reads replace them), where a memset leaves it dirty.
-__global__ void flush_read_kernel(const uint4* p, size_t n, uint32_t* sink) {
-  uint32_t x = 0;
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
-    const uint4 v = p[i];
-    x |= ~(v.x & v.y & v.z & v.w);
-  }
-  if (x == 0) *sink = 1;
-}
-
 // cuTensorMapEncodeTiled from the driver (through the runtime: no link against libcuda).
 void encode(CUtensorMap& map, const void* ptr, const cuuint64_t (&dims)[3], const cuuint64_t (&strides)[2],
             const cuuint32_t (&box)[3]) {
@@ -213,7 +203,7 @@ int main() {
   auto time_us = [&](const Maps& maps, int layout, int ctas, int chunks, int prefetch, int work, bool read_flush) {
     std::vector<float> ms;
     for (int rep = 0; rep < 12; ++rep) {
-      if (read_flush) flush_read_kernel<<<4 * sms, 512>>>(reinterpret_cast<const uint4*>(flush), flush_bytes / 16, sink);
+      if (read_flush) fp4moe::l2flush::launch_read(flush, flush_bytes, sink, sms, 0);
       else CHECK(cudaMemsetAsync(flush, rep, flush_bytes));
       CHECK(cudaEventRecord(a));
       ring_kernel<<<ctas, 256, kSmemBytes>>>(maps, w, sc, layout, chunks, prefetch, work, sink);
