@@ -7,7 +7,7 @@
 //      the CPU reference (experts hit from its routing)
 //   3. capture one forward in a CUDA graph; warm-up replays; then `reps` replays, each after an L2
 //      flush, each timed with its own event pair -> median, min
-//   4. an instrumented run (forward_marked, events between stages) -> stage times (median of 5)
+//   4. a graph of forward_marked (an event record node after each stage), 5 replays -> stage times (medians)
 // The SM clock and board power are sampled (runner/clock_monitor.hpp) during step 3's replays.
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
@@ -145,6 +145,37 @@ class L2Flusher {
   int sms_ = 0;
 };
 
+// One stream capture of enqueue(stream) (which returns the forward's Status), instantiated; the graph
+// lives as long as this object.
+class CapturedGraph {
+ public:
+  template <class Enqueue>
+  CapturedGraph(cudaStream_t stream, Enqueue&& enqueue) {
+    ck(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), "begin capture");
+    const Status s = enqueue(stream);
+    ck(cudaStreamEndCapture(stream, &graph_), "end capture");
+    if (!s.ok()) {
+      cudaGraphDestroy(graph_);
+      throw Error(s.message);
+    }
+    if (cudaError_t e = cudaGraphInstantiate(&exec_, graph_, 0); e != cudaSuccess) {
+      cudaGraphDestroy(graph_);
+      ck(e, "graph instantiate");
+    }
+  }
+  ~CapturedGraph() {
+    cudaGraphExecDestroy(exec_);
+    cudaGraphDestroy(graph_);
+  }
+  CapturedGraph(const CapturedGraph&) = delete;
+  CapturedGraph& operator=(const CapturedGraph&) = delete;
+  void launch(cudaStream_t stream) const { ck(cudaGraphLaunch(exec_, stream), "graph launch"); }
+
+ private:
+  cudaGraph_t graph_ = nullptr;
+  cudaGraphExec_t exec_ = nullptr;
+};
+
 // Captures one forward in a CUDA graph and times `reps` replays, each after an L2 flush (warm-up
 // replays first); returns the per-replay microseconds. With give_up_us > 0, stops after the first
 // timed replay when it exceeds give_up_us (the result then has one element). With clocks, the monitor
@@ -152,22 +183,16 @@ class L2Flusher {
 std::vector<double> time_replays(MoeRunner& runner, cudaStream_t stream, const ForwardArgs& a, const L2Flusher& flush,
                                  int warmup, int reps, double give_up_us = 0, int warmup_ms = 0,
                                  ClockMonitor* clocks = nullptr) {
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  ck(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), "begin capture");
-  Status cs = runner.forward(stream, a);
-  ck(cudaStreamEndCapture(stream, &graph), "end capture");
-  if (!cs.ok()) throw Error(cs.message);
-  ck(cudaGraphInstantiate(&exec, graph, 0), "graph instantiate");
+  const CapturedGraph graph(stream, [&](cudaStream_t s) { return runner.forward(s, a); });
   Events ev(2 * reps);
-  for (int i = 0; i < warmup; ++i) ck(cudaGraphLaunch(exec, stream), "graph launch");
+  for (int i = 0; i < warmup; ++i) graph.launch(stream);
   if (warmup_ms > 0) {  // replays as the timed ones (flush, forward) for warmup_ms of wall time
     ck(cudaStreamSynchronize(stream), "warm-up");
     const auto t0 = std::chrono::steady_clock::now();
     while (std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count() < warmup_ms) {
       for (int i = 0; i < 8; ++i) {  // a batch in flight between host checks
         flush(stream, i);
-        ck(cudaGraphLaunch(exec, stream), "graph launch");
+        graph.launch(stream);
       }
       ck(cudaStreamSynchronize(stream), "warm-up");
     }
@@ -180,7 +205,7 @@ std::vector<double> time_replays(MoeRunner& runner, cudaStream_t stream, const F
   for (int i = 0; i < reps; ++i) {
     flush(stream, i);
     ck(cudaEventRecord(ev.ev[2 * i], stream), "record");
-    ck(cudaGraphLaunch(exec, stream), "graph launch");
+    graph.launch(stream);
     ck(cudaEventRecord(ev.ev[2 * i + 1], stream), "record");
     ++timed;
     if (i == 0 && give_up_us > 0) {
@@ -192,8 +217,6 @@ std::vector<double> time_replays(MoeRunner& runner, cudaStream_t stream, const F
   std::vector<double> t_us;
   for (int i = 0; i < timed; ++i) t_us.push_back(1e3 * ev.ms(2 * i, 2 * i + 1));
   for (double v : t_us) check(v > 0, "bench: a replay measured ", v, " us");
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
   return t_us;
 }
 
@@ -342,14 +365,22 @@ std::vector<BenchRow> bench_weights(const std::string& model, const MoeProblem& 
     row.min_us = *std::min_element(t_us.begin(), t_us.end());
     row.replay_us = t_us;
 
-    // Stage times: instrumented forwards (not graphs), L2 flushed before each.
+    // Stage times: a graph of the forward with an event record node after each stage, replayed 5 times
+    // (L2 flushed before each), so that no stage depends on how fast the host launches. NOTE: the nodes
+    // serialise the stages (no launch overlaps the one before it), so the stages add up to more than
+    // the layer, and a stage without a kernel still reads ~1.2 us (two event nodes). The stream-ordered
+    // forward it replaces gave the same times within noise on an H200 (qwen3-30b-a3b T = 1: route 6.8
+    // -> 7.2 us, GEMM1 13.5 -> 13.8, GEMM2 12.0 -> 11.3; docs/perf.md, thirtieth session).
     Events marks(MoeRunner::kForwardStages + 1);
     std::vector<std::vector<double>> st(MoeRunner::kForwardStages);
-    for (int i = 0; i < 5; ++i) {
-      flush(stream, i);
-      if (Status s = runner->forward_marked(stream, a, false, marks.ev.data()); !s.ok()) throw Error(s.message);
-      ck(cudaStreamSynchronize(stream), "instrumented forward");
-      for (int j = 0; j < MoeRunner::kForwardStages; ++j) st[j].push_back(1e3 * marks.ms(j, j + 1));
+    {
+      const CapturedGraph marked(stream, [&](cudaStream_t s) { return runner->forward_marked(s, a, false, marks.ev.data()); });
+      for (int i = 0; i < 5; ++i) {
+        flush(stream, i);
+        marked.launch(stream);
+        ck(cudaStreamSynchronize(stream), "instrumented forward");
+        for (int j = 0; j < MoeRunner::kForwardStages; ++j) st[j].push_back(1e3 * marks.ms(j, j + 1));
+      }
     }
     row.stages = {median(st[0]), median(st[1]), median(st[2]), median(st[3]), median(st[4]), median(st[5])};
 

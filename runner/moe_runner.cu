@@ -293,6 +293,12 @@ Status GpuMoeRunner::check_args(cudaStream_t stream, const ForwardArgs& a, bool 
   return Status::success();
 }
 
+// A stage mark of forward_marked. NOTE: external, so that a stream capture of the forward turns it into
+// an event record node of the graph (timed at replay) instead of a dependency-only event.
+inline void record_mark(cudaEvent_t mark, cudaStream_t stream) {
+  cudaEventRecordWithFlags(mark, stream, cudaEventRecordExternal);
+}
+
 // Launches one stage; on failure returns the kernel's name and the CUDA error. With marks, records
 // the stage's end event.
 #define FP4MOE_LAUNCH(stage, name, call)                                                             \
@@ -300,7 +306,7 @@ Status GpuMoeRunner::check_args(cudaStream_t stream, const ForwardArgs& a, bool 
     if (cudaError_t e_ = (call); e_ != cudaSuccess)                                                  \
       return Status::failure(detail::concat(fn, ": kernel ", name, ": ", cudaGetErrorName(e_), " (", \
                                             cudaGetErrorString(e_), ")"));                           \
-    if (marks) cudaEventRecord(marks[stage], stream);                                                \
+    if (marks) record_mark(marks[stage], stream);                                                    \
   } while (0)
 
 Status GpuMoeRunner::run(cudaStream_t stream, const ForwardArgs& a, bool routed, cudaEvent_t const* marks) {
@@ -325,8 +331,8 @@ Status GpuMoeRunner::run(cudaStream_t stream, const ForwardArgs& a, bool routed,
   const int tile_rows = kernels::gemm_tile_rows(tactic);
   const int64_t tiles = kernels::max_tiles(entries, E, tile_rows);
 
-  if (marks) cudaEventRecord(marks[0], stream);
-  if (routed && marks) cudaEventRecord(marks[1], stream);
+  if (marks) record_mark(marks[0], stream);
+  if (routed && marks) record_mark(marks[1], stream);
   // NOTE: GEMM1 (either kernel) gathers its activation rows itself (row -> entry -> token), so the
   // gather_quantize launch is skipped: w4a16 reads the hidden rows, scalar w4a4 the rows that the route
   // kernel quantized once per token (into a1 as [T, H]). One launch and T*k row copies (written, then
@@ -415,7 +421,7 @@ Status GpuMoeRunner::run(cudaStream_t stream, const ForwardArgs& a, bool routed,
   }
 
   if (permute_in_route) {
-    if (marks) cudaEventRecord(marks[2], stream);
+    if (marks) record_mark(marks[2], stream);
   } else {
     FP4MOE_LAUNCH(2, "permute", kernels::launch_permute(pa, stream));
   }
@@ -434,7 +440,7 @@ Status GpuMoeRunner::run(cudaStream_t stream, const ForwardArgs& a, bool routed,
   g.scale_by_weight = p.routing.apply_router_weight_on_input;
   g.a1 = region<__nv_bfloat16>(ws, plan.a1);
   if (gather_in_gemm1) {  // the stage mark stays, for the bench's stage times
-    if (marks) cudaEventRecord(marks[3], stream);
+    if (marks) record_mark(marks[3], stream);
   } else {
     FP4MOE_LAUNCH(3, "gather_quantize", kernels::launch_gather_quantize(g, stream));
   }
@@ -509,7 +515,7 @@ Status GpuMoeRunner::run(cudaStream_t stream, const ForwardArgs& a, bool routed,
   }
   FP4MOE_LAUNCH(5, "gemm2", kernels::launch_gemm2(g2, stream));
   if (fuse_finalize || finalize_in_gemm2) {
-    if (marks) cudaEventRecord(marks[6], stream);
+    if (marks) record_mark(marks[6], stream);
     return Status::success();
   }
 

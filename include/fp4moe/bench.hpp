@@ -71,6 +71,9 @@ struct ClockStats {
   double power_capped_fraction = 0;  // of the samples: the clock held down by the software power cap
 };
 
+// Per stage of the layer: the time between the event record nodes around it in a graph of
+// MoeRunner::forward_marked (medians of 5 replays). The nodes serialise the stages, so their sum exceeds
+// the layer time by the launch overlap that the plain forward gets (programmatic dependent launch).
 struct StageTimes {
   double route_us = 0, permute_us = 0, quantize_us = 0, gemm1_us = 0, gemm2_us = 0, finalize_us = 0;
 };

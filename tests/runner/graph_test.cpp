@@ -1,5 +1,6 @@
 // tests/runner/graph_test.cpp — a forward captured in a CUDA graph (global capture mode) replays to the
-// same bits as the eager forward, for fresh inputs written into the same buffers between replays.
+// same bits as the eager forward, for fresh inputs written into the same buffers between replays; the
+// bench's marked forward captures its stage marks as timed event nodes.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -70,6 +71,83 @@ TEST(LayerGraph, SmallReplayMatchesEagerForward) {
     cudaStreamDestroy(s);
     for (void* ptr : {hidden, logits, ids, wts, out, ws}) cudaFree(ptr);
   }
+}
+
+// The bench's stage times: forward_marked captured in a graph records its marks as event record nodes,
+// which replay in order with non-negative gaps, and the marked forward's output is the plain one's.
+TEST(LayerGraph, MarkedForwardCapturesTimedStageEvents) {
+  std::string why;
+  if (!cuda_device_available(&why)) GTEST_SKIP() << why;
+  const MoeProblem p = preset("tiny", ActQuant::W4A16);
+  const int64_t T = 33, H = p.hidden, E = p.num_experts, k = p.top_k();
+  io::MoeCase c = io::make_random_packed_case(p, T, 5);
+  auto runner = MoeRunner::create(p, T);
+  ASSERT_TRUE(runner->prepare_weights(c.weights()).ok());
+  void *hidden, *logits, *ids, *wts, *out, *ws;
+  const size_t ws_bytes = runner->workspace_size(T);
+  CK(cudaMalloc(&hidden, T * H * 2));
+  CK(cudaMalloc(&logits, T * E * 4));
+  CK(cudaMalloc(&ids, T * k * 4));
+  CK(cudaMalloc(&wts, T * k * 4));
+  CK(cudaMalloc(&out, T * H * 2));
+  CK(cudaMalloc(&ws, ws_bytes));
+  CK(cudaMemcpy(hidden, c.hidden_states.data(), T * H * 2, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(logits, c.router_logits.data(), T * E * 4, cudaMemcpyHostToDevice));
+  ForwardArgs a;
+  a.num_tokens = T;
+  a.hidden = hidden;
+  a.router_logits = logits;
+  a.topk_ids = static_cast<int32_t*>(ids);
+  a.topk_weights = static_cast<float*>(wts);
+  a.output = out;
+  a.workspace = ws;
+  a.workspace_bytes = ws_bytes;
+  cudaStream_t s;
+  CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  std::vector<cudaEvent_t> marks(MoeRunner::kForwardStages + 1);
+  for (auto& e : marks) CK(cudaEventCreate(&e));
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+  const Status cs = runner->forward_marked(s, a, false, marks.data());
+  const cudaError_t end = cudaStreamEndCapture(s, &graph);
+  ASSERT_TRUE(cs.ok()) << cs.message;
+  ASSERT_EQ(end, cudaSuccess) << cudaGetErrorString(end);
+  size_t nodes = 0;
+  CK(cudaGraphGetNodes(graph, nullptr, &nodes));
+  std::vector<cudaGraphNode_t> all(nodes);
+  CK(cudaGraphGetNodes(graph, all.data(), &nodes));
+  int event_nodes = 0;
+  for (cudaGraphNode_t n : all) {
+    cudaGraphNodeType type;
+    CK(cudaGraphNodeGetType(n, &type));
+    event_nodes += type == cudaGraphNodeTypeEventRecord;
+  }
+  EXPECT_EQ(event_nodes, MoeRunner::kForwardStages + 1);  // every mark, including the stages without a launch
+  CK(cudaGraphInstantiate(&exec, graph, 0));
+  CK(cudaMemset(out, 0xFF, T * H * 2));
+  CK(cudaGraphLaunch(exec, s));
+  CK(cudaStreamSynchronize(s));
+  float total = 0;
+  for (int j = 0; j < MoeRunner::kForwardStages; ++j) {
+    float ms = -1;
+    CK(cudaEventElapsedTime(&ms, marks[j], marks[j + 1]));
+    EXPECT_GE(ms, 0.0f) << "stage " << j;
+    total += ms;
+  }
+  EXPECT_GT(total, 0.0f);
+  std::vector<uint16_t> marked(T * H), plain(T * H);
+  CK(cudaMemcpy(marked.data(), out, T * H * 2, cudaMemcpyDeviceToHost));
+  CK(cudaMemset(out, 0xFF, T * H * 2));
+  ASSERT_TRUE(runner->forward(s, a).ok());
+  CK(cudaStreamSynchronize(s));
+  CK(cudaMemcpy(plain.data(), out, T * H * 2, cudaMemcpyDeviceToHost));
+  EXPECT_EQ(marked, plain);
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  for (auto e : marks) cudaEventDestroy(e);
+  cudaStreamDestroy(s);
+  for (void* ptr : {hidden, logits, ids, wts, out, ws}) cudaFree(ptr);
 }
 
 }  // namespace
