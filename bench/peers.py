@@ -828,7 +828,8 @@ def build_table(doc):
             f"{fmt(peer('torch_bf16'), '', 10)} {fmt(peer('torch_fp8'), '', 10)} "
             f"{fmt((r.get('best_peer') or '-').replace('torch_', ''), '', 10)} {fmt(r.get('ratio'), '.3f', 8)}")
     lines.append("")
-    lines.append("times in microseconds; fp4moe: CUDA-graph replays, L2 flushed (median, min); torch: eager, events, "
+    lines.append(f"times in microseconds; fp4moe: CUDA-graph replays, L2 flushed by a "
+                 f"{doc.get('fp4moe_l2_flush', 'write')} of 256 MiB (median, min); torch: eager, events, "
                  "median; fp4/peer < 1: fp4moe faster; '!': refcheck failed (never the best peer)")
     anchor_rows = [r for r in doc["rows"] if r.get("anchor")]
     if anchor_rows:
@@ -914,6 +915,8 @@ def main(argv=None):
     if fp:
         doc["ceilings"]["fp4moe"] = dict(fp.get("ceilings", {}))
         doc["gpu"], doc["sm_count"] = fp.get("gpu"), fp.get("sm_count")
+        # "read" (the L2 left clean) since 2026-12-04; results written before say nothing: "write" (memset)
+        doc["fp4moe_l2_flush"] = fp.get("l2_flush", "write")
         for r in fp.get("rows", []):
             fp_rows[(r["model"], int(r["tokens"]))] = r
 
