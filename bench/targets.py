@@ -42,10 +42,12 @@ def main(argv):
     if len(argv) < 2:
         print(__doc__, file=sys.stderr)
         return 2
-    rows = []
+    rows, flushes = [], set()
     for path in argv[1:]:
         with open(path) as f:
-            rows += json.load(f).get("rows", [])
+            data = json.load(f)
+        rows += data.get("rows", [])
+        flushes.add(data.get("l2_flush", "write"))  # files written before 2026-12-04 say nothing: memset
     if not rows:
         print("targets.py: no rows in " + ", ".join(argv[1:]), file=sys.stderr)
         return 2
@@ -64,6 +66,7 @@ def main(argv):
               f"{r['floor_us']:9.1f}  {figure:26} {target:22} {'PASS' if ok else 'MISS'}")
     # NOTE: "mid" and "prefill" are both issue 8's rows (T = 512..2048 and T >= 4096): their sum is the
     # prefill table's count.
+    print(f"L2 flush before each replay: {', '.join(sorted(flushes))}")
     names = {"decode": "decode (T <= 256)", "mid": "prefill, T = 512..2048", "prefill": "prefill, T >= 4096"}
     for kind, (ok, n) in counts.items():
         print(f"{names[kind]}: {ok}/{n} rows meet the target")
