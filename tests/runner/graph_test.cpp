@@ -9,6 +9,7 @@
 #include "fp4moe/case_file.hpp"
 #include "fp4moe/presets.hpp"
 #include "fp4moe/runner.hpp"
+#include "runner/layer_buffers.hpp"
 
 namespace fp4moe {
 namespace {
@@ -20,27 +21,12 @@ TEST(LayerGraph, SmallReplayMatchesEagerForward) {
   if (!cuda_device_available(&why)) GTEST_SKIP() << why;
   for (ActQuant mode : {ActQuant::W4A16, ActQuant::W4A4Scalar}) {
     const MoeProblem p = preset("tiny", mode);
-    const int64_t T = 77, H = p.hidden, E = p.num_experts, k = p.top_k();
+    const int64_t T = 77;
     io::MoeCase c = io::make_random_packed_case(p, T, 11);
     auto runner = MoeRunner::create(p, T);
     ASSERT_TRUE(runner->prepare_weights(c.weights()).ok());
-    void *hidden, *logits, *ids, *wts, *out, *ws;
-    const size_t ws_bytes = runner->workspace_size(T);
-    CK(cudaMalloc(&hidden, T * H * 2));
-    CK(cudaMalloc(&logits, T * E * 4));
-    CK(cudaMalloc(&ids, T * k * 4));
-    CK(cudaMalloc(&wts, T * k * 4));
-    CK(cudaMalloc(&out, T * H * 2));
-    CK(cudaMalloc(&ws, ws_bytes));
-    ForwardArgs a;
-    a.num_tokens = T;
-    a.hidden = hidden;
-    a.router_logits = logits;
-    a.topk_ids = static_cast<int32_t*>(ids);
-    a.topk_weights = static_cast<float*>(wts);
-    a.output = out;
-    a.workspace = ws;
-    a.workspace_bytes = ws_bytes;
+    const test::LayerBuffers buf(p, T, *runner);
+    const ForwardArgs& a = buf.args;
     cudaStream_t s;
     CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
     cudaGraph_t graph;
@@ -53,23 +39,23 @@ TEST(LayerGraph, SmallReplayMatchesEagerForward) {
     CK(cudaGraphInstantiate(&exec, graph, 0));
     for (uint64_t seed : {21, 22, 23}) {  // new inputs in the same buffers, then replay vs eager
       io::MoeCase in = io::make_random_packed_case(p, T, seed);
-      CK(cudaMemcpy(hidden, in.hidden_states.data(), T * H * 2, cudaMemcpyHostToDevice));
-      CK(cudaMemcpy(logits, in.router_logits.data(), T * E * 4, cudaMemcpyHostToDevice));
-      CK(cudaMemset(out, 0xFF, T * H * 2));
+      CK(buf.upload(in));
+      CK(buf.poison_output());
       CK(cudaGraphLaunch(exec, s));
       CK(cudaStreamSynchronize(s));
-      std::vector<uint16_t> replay(T * H), eager(T * H);
-      CK(cudaMemcpy(replay.data(), out, T * H * 2, cudaMemcpyDeviceToHost));
-      CK(cudaMemset(out, 0xFF, T * H * 2));
+      cudaError_t copied;
+      const std::vector<uint16_t> replay = buf.output(&copied);
+      CK(copied);
+      CK(buf.poison_output());
       ASSERT_TRUE(runner->forward(s, a).ok());
       CK(cudaStreamSynchronize(s));
-      CK(cudaMemcpy(eager.data(), out, T * H * 2, cudaMemcpyDeviceToHost));
+      const std::vector<uint16_t> eager = buf.output(&copied);
+      CK(copied);
       EXPECT_EQ(replay, eager) << "seed " << seed;
     }
     cudaGraphExecDestroy(exec);
     cudaGraphDestroy(graph);
     cudaStreamDestroy(s);
-    for (void* ptr : {hidden, logits, ids, wts, out, ws}) cudaFree(ptr);
   }
 }
 
@@ -79,29 +65,13 @@ TEST(LayerGraph, MarkedForwardCapturesTimedStageEvents) {
   std::string why;
   if (!cuda_device_available(&why)) GTEST_SKIP() << why;
   const MoeProblem p = preset("tiny", ActQuant::W4A16);
-  const int64_t T = 33, H = p.hidden, E = p.num_experts, k = p.top_k();
+  const int64_t T = 33;
   io::MoeCase c = io::make_random_packed_case(p, T, 5);
   auto runner = MoeRunner::create(p, T);
   ASSERT_TRUE(runner->prepare_weights(c.weights()).ok());
-  void *hidden, *logits, *ids, *wts, *out, *ws;
-  const size_t ws_bytes = runner->workspace_size(T);
-  CK(cudaMalloc(&hidden, T * H * 2));
-  CK(cudaMalloc(&logits, T * E * 4));
-  CK(cudaMalloc(&ids, T * k * 4));
-  CK(cudaMalloc(&wts, T * k * 4));
-  CK(cudaMalloc(&out, T * H * 2));
-  CK(cudaMalloc(&ws, ws_bytes));
-  CK(cudaMemcpy(hidden, c.hidden_states.data(), T * H * 2, cudaMemcpyHostToDevice));
-  CK(cudaMemcpy(logits, c.router_logits.data(), T * E * 4, cudaMemcpyHostToDevice));
-  ForwardArgs a;
-  a.num_tokens = T;
-  a.hidden = hidden;
-  a.router_logits = logits;
-  a.topk_ids = static_cast<int32_t*>(ids);
-  a.topk_weights = static_cast<float*>(wts);
-  a.output = out;
-  a.workspace = ws;
-  a.workspace_bytes = ws_bytes;
+  const test::LayerBuffers buf(p, T, *runner);
+  CK(buf.upload(c));
+  const ForwardArgs& a = buf.args;
   cudaStream_t s;
   CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   std::vector<cudaEvent_t> marks(MoeRunner::kForwardStages + 1);
@@ -125,7 +95,7 @@ TEST(LayerGraph, MarkedForwardCapturesTimedStageEvents) {
   }
   EXPECT_EQ(event_nodes, MoeRunner::kForwardStages + 1);  // every mark, including the stages without a launch
   CK(cudaGraphInstantiate(&exec, graph, 0));
-  CK(cudaMemset(out, 0xFF, T * H * 2));
+  CK(buf.poison_output());
   CK(cudaGraphLaunch(exec, s));
   CK(cudaStreamSynchronize(s));
   float total = 0;
@@ -136,18 +106,19 @@ TEST(LayerGraph, MarkedForwardCapturesTimedStageEvents) {
     total += ms;
   }
   EXPECT_GT(total, 0.0f);
-  std::vector<uint16_t> marked(T * H), plain(T * H);
-  CK(cudaMemcpy(marked.data(), out, T * H * 2, cudaMemcpyDeviceToHost));
-  CK(cudaMemset(out, 0xFF, T * H * 2));
+  cudaError_t copied;
+  const std::vector<uint16_t> marked = buf.output(&copied);
+  CK(copied);
+  CK(buf.poison_output());
   ASSERT_TRUE(runner->forward(s, a).ok());
   CK(cudaStreamSynchronize(s));
-  CK(cudaMemcpy(plain.data(), out, T * H * 2, cudaMemcpyDeviceToHost));
+  const std::vector<uint16_t> plain = buf.output(&copied);
+  CK(copied);
   EXPECT_EQ(marked, plain);
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
   for (auto e : marks) cudaEventDestroy(e);
   cudaStreamDestroy(s);
-  for (void* ptr : {hidden, logits, ids, wts, out, ws}) cudaFree(ptr);
 }
 
 }  // namespace

@@ -10,6 +10,7 @@
 #include "fp4moe/format.hpp"
 #include "fp4moe/presets.hpp"
 #include "fp4moe/runner.hpp"
+#include "runner/layer_buffers.hpp"
 
 namespace fp4moe {
 namespace {
@@ -17,32 +18,17 @@ namespace {
 // Runs `c` through a runner prepared from `w` with `options`; returns the bf16 output bits.
 std::vector<uint16_t> run_prepared(const io::MoeCase& c, const reference::MoeWeights& w, const WeightPrepOptions& options) {
   const MoeProblem& p = c.problem;
-  const int64_t T = c.num_tokens, H = p.hidden, E = p.num_experts, k = p.top_k();
-  auto runner = MoeRunner::create(p, T);
+  auto runner = MoeRunner::create(p, c.num_tokens);
   const Status s = runner->prepare_weights(w, options);
   EXPECT_TRUE(s.ok()) << s.message;
-  void *hidden, *logits, *ids, *wts, *out, *ws;
-  const size_t ws_bytes = runner->workspace_size(T);
-  for (auto [ptr, bytes] : {std::pair<void**, size_t>{&hidden, T * H * 2}, {&logits, T * E * 4}, {&ids, T * k * 4},
-                            {&wts, T * k * 4}, {&out, T * H * 2}, {&ws, ws_bytes}})
-    EXPECT_EQ(cudaMalloc(ptr, bytes), cudaSuccess);
-  EXPECT_EQ(cudaMemcpy(hidden, c.hidden_states.data(), T * H * 2, cudaMemcpyHostToDevice), cudaSuccess);
-  EXPECT_EQ(cudaMemcpy(logits, c.router_logits.data(), T * E * 4, cudaMemcpyHostToDevice), cudaSuccess);
-  EXPECT_EQ(cudaMemset(out, 0xFF, T * H * 2), cudaSuccess);
-  ForwardArgs a;
-  a.num_tokens = T;
-  a.hidden = hidden;
-  a.router_logits = logits;
-  a.topk_ids = static_cast<int32_t*>(ids);
-  a.topk_weights = static_cast<float*>(wts);
-  a.output = out;
-  a.workspace = ws;
-  a.workspace_bytes = ws_bytes;
-  const Status f = runner->forward(nullptr, a);
+  const test::LayerBuffers buf(p, c.num_tokens, *runner);
+  EXPECT_EQ(buf.upload(c), cudaSuccess);
+  EXPECT_EQ(buf.poison_output(), cudaSuccess);
+  const Status f = runner->forward(nullptr, buf.args);
   EXPECT_TRUE(f.ok()) << f.message;
-  std::vector<uint16_t> result(T * H);
-  EXPECT_EQ(cudaMemcpy(result.data(), out, T * H * 2, cudaMemcpyDeviceToHost), cudaSuccess);
-  for (void* ptr : {hidden, logits, ids, wts, out, ws}) cudaFree(ptr);
+  cudaError_t copied;
+  std::vector<uint16_t> result = buf.output(&copied);
+  EXPECT_EQ(copied, cudaSuccess);
   return result;
 }
 
