@@ -6,7 +6,7 @@
 // covers the entries with 16 warps), 32 at a time. Ids outside [0, E) go to an extra bucket E placed after all
 // experts: expert_offsets[E] counts the valid entries only, and those rows belong to no expert (the
 // GEMMs skip them), but row_to_entry / entry_to_row stay full permutations.
-//   at most 512 entries (decode), one launch: permute_small_kernel (no histograms: counts per entry
+//   at most 1024 entries (decode), one launch: permute_small_kernel (no histograms: counts per entry
 //   warp, see kernels/permute_block.cuh); the route launch may permute up to 256 entries in its own
 //   block instead (launch_route_permute, permute_small_block: the same result).
 //   one chunk (T*k <= kChunk), one launch: permute_fused_kernel does every step below in one block.

@@ -132,26 +132,29 @@ __device__ __forceinline__ void permute_small_block(const PermuteArgs& a, SmallS
   }
 }
 
-// ---- up to one entry per thread, counted by entry warps (the permute launch) -----------------------
+// ---- up to two entries per thread, counted by entry warps (the permute launch) ---------------------
 // The same permutation as permute_small_block (the same rows, tiles and offsets: the order is stable
-// by entry), for up to kWarpCountEntries = kThreads entries, with its O(n) loops per thread replaced by
-// counts per entry warp (n <= 512: 16 warps):
-//   1. thread j < n holds entry j's bucket b_j in a register; the block clears the [16][E+1] counts;
-//   2. each entry warp w: __match_any_sync groups its lanes by bucket; the lowest lane of each group
-//      writes the group's size to counts[w][b] (one writer per (w, b): no atomics);
-//   3. thread e < E: in = sum over the entry warps of counts[w][e], tiles = ceil(in / tile_rows); one
-//      block scan of (in << 16 | tiles) (both sums <= 1024 fit 16 bits) gives the first row and the
+// by entry), for up to kWarpCountEntries = 2 * kThreads entries, with its O(n) loops per thread replaced by
+// counts per entry warp (entry warp v: entries 32 v .. 32 v + 31; n <= 1024: 32 entry warps):
+//   1. thread j holds the buckets of entries j and kThreads + j in registers (entry warps w and
+//      kWarps + w for the threads of warp w); the block clears the [32][E+1] counts;
+//   2. for each of its two entry warps, warp w: __match_any_sync groups its lanes by bucket; the lowest
+//      lane of each group writes the group's size to counts[v][b] (one writer per (v, b): no atomics);
+//   3. thread e < E: in = sum over the entry warps of counts[v][e], tiles = ceil(in / tile_rows); one
+//      block scan of (in << 16 | tiles) (both sums <= 1536 fit 16 bits) gives the first row and the
 //      first tile of every expert; bucket E (invalid ids) starts after every expert;
-//   4. thread j < n: row = first row of b_j + the entries of b_j in the earlier entry warps + its
-//      group's lanes below it.
+//   4. each entry: row = first row of its bucket + the entries of its bucket in the earlier entry warps
+//      + its group's lanes below it.
 // NOTE: permute_small_block's loops cost ~2.6 us of issue in one SM at n = 256 (129 bucket threads x
-// 256 entries x 5 instructions, SASS count); here each thread reads at most 16 counts per step. From
-// 257 to 512 entries it replaces permute_fused_kernel (a 16 x (E+1) histogram, ~10 block barriers:
-// 7.5 us of stage time at qwen3-235b-a22b T = 64). Used by the permute launch only: in the route
-// launch that permutes (kernels/route.cu) this form made the route stage faster but the qwen3 layers
-// slower at T = 1 and 16 (A/B, docs/perf.md seventeenth session), not explained; there
-// permute_small_block stays.
-inline constexpr int kWarpCountEntries = kThreads;  // permute_small_block_by_warp_counts's limit
+// 256 entries x 5 instructions, SASS count); here each entry reads at most 31 counts in step 4. From
+// 257 to 512 entries it replaced permute_fused_kernel (a 16 x (E+1) histogram, ~10 block barriers:
+// 7.5 us of stage time at qwen3-235b-a22b T = 64); the second entry per thread takes it to 1024 entries
+// (permute_fused_kernel took 6-10 us at 1024 entries, T = 128 with top-8: docs/perf.md, thirty-first
+// session). Used by the permute launch only: in the route launch that permutes (kernels/route.cu) this
+// form made the route stage faster but the qwen3 layers slower at T = 1 and 16 (A/B, docs/perf.md
+// seventeenth session), not explained; there permute_small_block stays.
+inline constexpr int kEntriesPerThread = 2;
+inline constexpr int kWarpCountEntries = kEntriesPerThread * kThreads;  // permute_small_block_by_warp_counts's limit
 inline constexpr int kEntryWarps = kWarpCountEntries / 32;
 inline constexpr int kCountStride = (kMaxBuckets + 3) / 4 * 4;  // bytes per entry warp: whole words
 struct WarpCountShared {
@@ -165,31 +168,41 @@ struct WarpCountShared {
 // Every thread of a kThreads block calls it; T * k <= kWarpCountEntries (the launcher checks). The ids come
 // from global memory through L2 (__ldcg): the route launch wrote them.
 __device__ __forceinline__ void permute_small_block_by_warp_counts(const PermuteArgs& a, WarpCountShared& sh) {
-  static_assert(kWarpCountEntries <= kThreads && kMaxExperts <= kThreads, "thread j holds entry j, thread e expert e");
+  static_assert(kMaxExperts <= kThreads, "thread e holds expert e");
   static_assert(kWarpCountEntries + kMaxExperts < (1 << 16), "entries and tiles share one 32-bit scan value");
   const int E = a.num_experts, tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int n = a.num_tokens * a.top_k;
   const int entry_warps = (n + 31) / 32;
   clear_words(a);
-  // 1. the bucket of entry tid; the entry warps' counts cleared
-  const bool has_entry = tid < n;
-  const int32_t b = has_entry ? bucket_of(__ldcg(a.topk_ids + tid), E) : -1;
+  // 1. the buckets of entries tid and kThreads + tid (both loads before any use); the counts cleared
+  int32_t b[kEntriesPerThread];
+  bool has[kEntriesPerThread];
+#pragma unroll
+  for (int q = 0; q < kEntriesPerThread; ++q) {
+    const int j = q * kThreads + tid;
+    has[q] = j < n;
+    b[q] = has[q] ? bucket_of(__ldcg(a.topk_ids + j), E) : -1;
+  }
   for (int i = tid; i < entry_warps * kCountStride / 4; i += kThreads) reinterpret_cast<uint32_t*>(&sh.counts[0][0])[i] = 0;
   __syncthreads();
-  // 2. per entry warp, the lanes of each bucket (warp-uniform: warp < entry_warps)
-  unsigned peers = 0;
-  if (warp < entry_warps) {
-    const unsigned active = __ballot_sync(kFull, has_entry);
-    if (has_entry) {
-      peers = __match_any_sync(active, b);
-      if (lane == __ffs(peers) - 1) sh.counts[warp][b] = static_cast<uint8_t>(__popc(peers));
+  // 2. per entry warp, the lanes of each bucket (warp-uniform: v < entry_warps)
+  unsigned peers[kEntriesPerThread] = {};
+#pragma unroll
+  for (int q = 0; q < kEntriesPerThread; ++q) {
+    const int v = q * kWarps + warp;
+    if (v < entry_warps) {
+      const unsigned active = __ballot_sync(kFull, has[q]);
+      if (has[q]) {
+        peers[q] = __match_any_sync(active, b[q]);
+        if (lane == __ffs(peers[q]) - 1) sh.counts[v][b[q]] = static_cast<uint8_t>(__popc(peers[q]));
+      }
     }
   }
   __syncthreads();
   // 3. per expert: entries and tiles; one scan of both
   int32_t in = 0, tiles = 0;
   if (tid < E) {
-    for (int w = 0; w < entry_warps; ++w) in += sh.counts[w][tid];
+    for (int v = 0; v < entry_warps; ++v) in += sh.counts[v][tid];
     tiles = (in + a.tile_rows - 1) / a.tile_rows;
   }
   int32_t total = 0;
@@ -211,12 +224,15 @@ __device__ __forceinline__ void permute_small_block_by_warp_counts(const Permute
   }
   __syncthreads();  // sh.first
   // 4. rows
-  if (has_entry) {
-    int32_t rank = __popc(peers & ((1u << lane) - 1u));  // its group's lanes below it in its warp
-    for (int w = 0; w < warp; ++w) rank += sh.counts[w][b];
-    const int32_t row = sh.first[b] + rank;
-    a.row_to_entry[row] = tid;
-    a.entry_to_row[tid] = row;
+#pragma unroll
+  for (int q = 0; q < kEntriesPerThread; ++q) {
+    if (!has[q]) continue;
+    const int v = q * kWarps + warp, j = q * kThreads + tid;
+    int32_t rank = __popc(peers[q] & ((1u << lane) - 1u));  // its group's lanes below it in its entry warp
+    for (int w = 0; w < v; ++w) rank += sh.counts[w][b[q]];
+    const int32_t row = sh.first[b[q]] + rank;
+    a.row_to_entry[row] = j;
+    a.entry_to_row[j] = row;
   }
 }
 

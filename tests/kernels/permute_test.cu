@@ -191,23 +191,25 @@ TEST(PermuteKernel, AllTokensOnOneExpert) {
       }
 }
 
-// The one-block path's limit (permute_block::kWarpCountEntries = 512 entries) and the entry past it,
-// and the route launch's limit (permute_block::kSmallEntries = 256), which the permute launch crosses
-// with the same kernel.
+// The one-block path's limit (permute_block::kWarpCountEntries = 1024 entries) and the entry past it,
+// its second entry per thread (from 513 entries), and the route launch's limit
+// (permute_block::kSmallEntries = 256), which the permute launch crosses with the same kernel.
 TEST(PermuteKernel, SmallPathLimit) {
   FP4MOE_REQUIRE_SM90();
   uint64_t seed = 6000;
-  for (int T : {32, 33, 64, 65}) {
+  for (int T : {32, 33, 64, 65, 100, 127, 128, 129}) {
     run_case(T, 8, 256, 16, IdKind::Distinct, ++seed);
     run_case(T, 8, 16, 16, IdKind::Skewed, ++seed);
     run_case(T, 8, 512, 16, IdKind::SomeInvalid, ++seed);
   }
-  for (int T : {256, 257, 512, 513}) {
+  for (int T : {256, 257, 512, 513, 777, 1024, 1025}) {
     run_case(T, 1, 16, 16, IdKind::OneExpert, ++seed);
     run_case(T, 1, 128, 16, IdKind::Repeats, ++seed);
   }
   run_case(8, 32, 512, 16, IdKind::Distinct, ++seed);
   run_case(16, 32, 512, 1, IdKind::OneExpert, ++seed);  // 512 entries, 512 one-row tiles of one expert
+  run_case(32, 32, 512, 1, IdKind::OneExpert, ++seed);  // 1024 entries, 1024 one-row tiles of one expert
+  run_case(32, 32, 512, 1, IdKind::Distinct, ++seed);   // 1024 entries over 512 experts, one-row tiles
 }
 
 TEST(PermuteKernel, RepeatedAndInvalidIds) {
