@@ -33,7 +33,8 @@
 //                            per element), written as 2 x 16 B.
 //                     GEMM2: fp32 y[row_to_entry[row] * N + n], staged [token][row] in the ring and
 //                            copied out a warp per token row (16-byte stores); with top-1 routing the
-//                            finalized bf16 output instead (finalize fused), straight from the registers.
+//                            finalized bf16 output instead (finalize fused), staged [token][row] as
+//                            bf16 and copied out the same way.
 // Tails: K is padded to 128 in the prepacked weights (zero weights) and the activation columns past K
 // are zero-filled by the copy; weight row groups past N are zero-filled; token rows past the tile's
 // valid rows (the next expert's rows, or zeros past the last row) only reach accumulator columns that
@@ -99,6 +100,7 @@ struct TileConfig {
   static constexpr int kStageBytes = kActBytes + kWeightBytes + kScaleBytes;  // 25 / 50 / 73 KiB, one expect_tx
   static constexpr int kStagingStride = kTileRows + 8;  // floats per staging row (float2 stores conflict-free)
   static constexpr int kYStride = kBlockN + 4;          // GEMM2 y staging [token][kBlockN] (floats per row)
+  static constexpr int kOutStride = kBlockN + 8;        // GEMM2 top-1 out staging [token][kBlockN] (bf16 per row)
   static constexpr int kBarrierOffset = kStages * kStageBytes;
   static constexpr int kTokenEntryOffset = kBarrierOffset + 2 * kStages * 8;
   static constexpr size_t kSmemBytes = 1024 + kTokenEntryOffset + kTileRows * 8;  // entries or row addresses
@@ -115,6 +117,8 @@ struct TileConfig {
   static_assert(kTileRows * kYStride * 4 <= kStages * kStageBytes, "GEMM2 staging must fit the ring");
   static_assert(kYStride % 16 == 4, "y staging stores: tokens 2t land 8 banks apart");
   static_assert(kYStride * 4 % 16 == 0, "y is copied out of 16-byte aligned staging rows");
+  static_assert(kTileRows * kOutStride * 2 <= kStages * kStageBytes, "GEMM2 top-1 staging must fit the ring");
+  static_assert(kOutStride * 2 % 16 == 0 && kOutStride / 2 % 32 == 4, "out staging: 16-byte rows, tokens 2t 8 banks apart");
   static_assert(kSmemBytes <= kMaxSmemBytes, "shared memory budget");
   static_assert(kCtasPerSm * (kSmemBytes + 1024) <= kSmSmemBytes, "kCtasPerSm CTAs (1 KiB reserved each) per SM");
   static_assert(kBlocks * kAcc == (kCtasPerSm == 1 ? 128 : 32), "accumulator registers per consumer thread");
@@ -861,8 +865,14 @@ __global__ void __launch_bounds__(kThreads, TileConfig<TileTokens>::kCtasPerSm)
   setmaxnreg_inc<C::kConsumerRegs>();
 
   const int ctid = threadIdx.x;
+  // GEMM2 top-1 (finalize fused): the router weight of each tile row, after the entries.
+  float* tok_weight = reinterpret_cast<float*>(smem + C::kTokenEntryOffset + kTileRows * sizeof(int32_t));
   if (p.epilogue == Epilogue::Gemm2)
-    for (int i = ctid; i < valid_rows; i += kConsumerThreads) tok_entry[i] = p.row_to_entry[row_start + i];
+    for (int i = ctid; i < valid_rows; i += kConsumerThreads) {
+      const int32_t entry = p.row_to_entry[row_start + i];
+      tok_entry[i] = entry;
+      if (p.out != nullptr) tok_weight[i] = p.out_weights != nullptr ? p.out_weights[entry] : 1.0f;
+    }
 
   float acc[kB][C::kAcc];
 #pragma unroll
@@ -930,25 +940,41 @@ __global__ void __launch_bounds__(kThreads, TileConfig<TileTokens>::kCtasPerSm)
     }
     return;
   }
-  if (p.epilogue == Epilogue::Gemm2) {  // top-1 with the finalize fused: bf16 out, straight from registers
+  if (p.epilogue == Epilogue::Gemm2) {
+    // top-1 with the finalize fused: out = bf16(0 + w * y) (the finalize kernel's arithmetic), staged as
+    // [token][kBlockN] bf16 in the (free) ring, then copied out a warp per token row with 16-byte stores,
+    // as y above.
+    // NOTE: stored straight from the registers (2-byte stores, 8 tokens x 16 B per warp instruction),
+    // this epilogue took 10.8 of a 101 us CTA (llama4-scout T = 4096, t128; timeline) against 3.2 us
+    // for the staged fp32 y of the other presets; staged, the GEMM2 stage is 3-6% shorter at T >= 2048.
+    __nv_bfloat16* ostg = reinterpret_cast<__nv_bfloat16*>(smem);
 #pragma unroll
     for (int b = 0; b < kB; ++b) {
       const int mt = wg * 4 * kB + b * 4 + warp;
-      const int n_lo = ntile * kBlockN + 8 * mt + g;  // rows g; rows g+8 are kBlockN / 2 further
 #pragma unroll
       for (int j = 0; j < kTileRows / 8; ++j) {
         if (j >= jmax) break;
 #pragma unroll
         for (int r = 0; r < 4; ++r) {
-          const int n = n_lo + (r >= 2 ? kBlockN / 2 : 0);
+          const int col = 8 * mt + g + (r >= 2 ? kBlockN / 2 : 0);  // CTA-local weight row
           const int tok = 8 * j + 2 * t + (r & 1);
-          if (tok < valid_rows && n < p.N) {
-            const int64_t entry = tok_entry[tok];
-            const float y = epilogue_scale(alpha, acc[b][4 * j + r]);
-            const float w = p.out_weights != nullptr ? p.out_weights[entry] : 1.0f;  // 0 + w * y, then bf16
-            p.out[entry * p.N + n] = __float2bfloat16_rn(__fadd_rn(0.0f, __fmul_rn(w, y)));
-          }
+          const float y = epilogue_scale(alpha, acc[b][4 * j + r]);
+          ostg[tok * C::kOutStride + col] = __float2bfloat16_rn(__fadd_rn(0.0f, __fmul_rn(tok_weight[tok], y)));
         }
+      }
+    }
+    consumer_sync();
+    const int n0 = ntile * kBlockN;
+    const int cols = min(kBlockN, p.N - n0);  // a multiple of 16 (N % 16 == 0)
+    constexpr int kConsumerWarps = kConsumerThreads / 32;
+#pragma unroll 4
+    for (int tok = ctid / 32; tok < valid_rows; tok += kConsumerWarps) {
+      const __nv_bfloat16* src = ostg + tok * C::kOutStride;                       // (kBlockN) bf16
+      __nv_bfloat16* dst = p.out + static_cast<int64_t>(tok_entry[tok]) * p.N + n0;  // (cols) bf16
+#pragma unroll
+      for (int i = 0; i < (kBlockN + 255) / 256; ++i) {
+        const int c = 256 * i + 8 * lane;
+        if (c < cols) *reinterpret_cast<uint4*>(dst + c) = *reinterpret_cast<const uint4*>(src + c);
       }
     }
     return;

@@ -693,6 +693,18 @@ TEST(ExpertGemmKernel, LargerShapes) {  // deeper K, several CTAs along N, one e
   }
 }
 
+// top-1 with the finalize fused (out = bf16(0 + w * y), staged as bf16 and copied out per token row):
+// every tile shape, ragged experts (every wgmma width, multi-tile experts, empty ones), N = 2880 (a
+// partial last CTA along N) and N = 5120 (llama4-scout's hidden size).
+TEST(ExpertGemmKernel, Gemm2FusedFinalize) {
+  FP4MOE_REQUIRE_SM90();
+  for (const auto& k : wgmma_kernels()) {
+    run_gemm2({"top1", 4, 272, 2880, {1, 0, 9, 20}, act_of(Activation::SwiGLU), ActQuant::W4A16, 57}, k, true);
+    run_gemm2({"top1-ragged", 16, 256, 128, kRagged16, act_of(Activation::SwiGLU), ActQuant::W4A16, 58}, k, true);
+    run_gemm2({"top1-llama4", 2, 512, 5120, {300, 129}, act_of(Activation::SwiGLU), ActQuant::W4A16, 59}, k, true);
+  }
+}
+
 TEST(ExpertGemmKernel, NoRowsLaunchesNothing) {
   FP4MOE_REQUIRE_SM90();
   for (const auto& k : wgmma_kernels()) {
