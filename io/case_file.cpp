@@ -36,14 +36,6 @@ namespace {
 constexpr float kE2m1Max = 6.0f;
 constexpr float kE4m3Max = 448.0f;
 
-std::string shape_string(const std::vector<int64_t>& shape) {
-  std::ostringstream os;
-  os << '[';
-  for (size_t i = 0; i < shape.size(); ++i) os << (i ? ", " : "") << shape[i];
-  os << ']';
-  return os.str();
-}
-
 std::string float_string(float v) {
   char buf[64];
   const auto r = std::to_chars(buf, buf + sizeof buf, v);  // shortest form that reads back exactly

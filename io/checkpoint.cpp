@@ -19,7 +19,6 @@
 #include <filesystem>
 #include <fstream>
 #include <limits>
-#include <sstream>
 
 #include <fnmatch.h>
 #include <nlohmann/json.hpp>
@@ -51,14 +50,6 @@ std::string read_text(const fs::path& p) {
   f.read(s.data(), size);
   check(f.good() || f.eof(), p.string(), ": read failed");
   return s;
-}
-
-std::string shape_str(const std::vector<int64_t>& s) {
-  std::ostringstream os;
-  os << '[';
-  for (size_t i = 0; i < s.size(); ++i) os << (i ? ", " : "") << s[i];
-  os << ']';
-  return os.str();
 }
 
 bool starts_with(const std::string& s, const std::string& p) { return s.compare(0, p.size(), p) == 0; }
@@ -105,8 +96,8 @@ struct Checkpoint::Impl {
     const TensorView& t = tensor(name);
     check(t.dtype == dtype, file_of(name), ": tensor '", name, "': expected dtype ", to_string(dtype), ", got ",
           to_string(t.dtype));
-    check(t.shape == shape, file_of(name), ": tensor '", name, "': expected shape ", shape_str(shape), " (", why,
-          "), got ", shape_str(t.shape));
+    check(t.shape == shape, file_of(name), ": tensor '", name, "': expected shape ", shape_string(shape), " (", why,
+          "), got ", shape_string(t.shape));
     return t;
   }
   // An F32 scalar scale (shape [] or [1]), finite and > 0; `invert`: the file holds the quantize
@@ -115,7 +106,7 @@ struct Checkpoint::Impl {
     const TensorView& t = tensor(name);
     check(t.dtype == DType::F32, file_of(name), ": tensor '", name, "': expected dtype F32, got ", to_string(t.dtype));
     check(t.shape.empty() || t.shape == std::vector<int64_t>{1}, file_of(name), ": tensor '", name,
-          "': expected a scalar (shape [] or [1]), got shape ", shape_str(t.shape));
+          "': expected a scalar (shape [] or [1]), got shape ", shape_string(t.shape));
     float v;
     std::memcpy(&v, t.data.data(), sizeof v);
     check(std::isfinite(v) && v > 0.0f, file_of(name), ": tensor '", name,
@@ -422,7 +413,7 @@ MoeLayerWeights Checkpoint::load_layer(int64_t layer, const LoadOptions& options
     const std::string bname = prefix + ".gate.e_score_correction_bias";
     const TensorView& b = ck.tensor(bname);
     check(b.shape == std::vector<int64_t>{E}, ck.file_of(bname), ": tensor '", bname, "': expected shape [", E,
-          "], got ", shape_str(b.shape));
+          "], got ", shape_string(b.shape));
     w.routing_bias.resize(E);
     if (b.dtype == DType::F32) {
       std::memcpy(w.routing_bias.data(), b.data.data(), b.data.size());

@@ -80,14 +80,6 @@ size_t find_invalid_utf8(const unsigned char* s, size_t n) {
   return std::string::npos;
 }
 
-std::string shape_string(const std::vector<int64_t>& shape) {
-  std::ostringstream os;
-  os << '[';
-  for (size_t i = 0; i < shape.size(); ++i) os << (i ? ", " : "") << shape[i];
-  os << ']';
-  return os.str();
-}
-
 // numel * elem_size, or false on overflow.
 bool byte_size(const std::vector<int64_t>& shape, size_t elem_size, uint64_t& bytes) {
   uint64_t n = elem_size;
@@ -134,6 +126,14 @@ uint64_t json_to_u64(const nlohmann::json& v, const Fail& fail, const char* what
 }
 
 }  // namespace
+
+std::string shape_string(const std::vector<int64_t>& shape) {
+  std::ostringstream os;
+  os << '[';
+  for (size_t i = 0; i < shape.size(); ++i) os << (i ? ", " : "") << shape[i];
+  os << ']';
+  return os.str();
+}
 
 // ---- dtypes ---------------------------------------------------------------------------------------
 

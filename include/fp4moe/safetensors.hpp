@@ -15,6 +15,7 @@ enum class DType { BF16, F32, F8_E4M3, U8, I32 };
 std::string_view to_string(DType d);             // checkpoint names: "BF16", "F32", "F8_E4M3", ...
 size_t dtype_size(DType d);
 DType parse_dtype(std::string_view name);        // throws fp4moe::Error on an unknown name
+std::string shape_string(const std::vector<int64_t>& shape);  // "[d0, d1, ...]", as error messages print it
 
 struct TensorView {
   DType dtype;
