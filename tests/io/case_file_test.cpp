@@ -17,6 +17,7 @@
 #include "fp4moe/error.hpp"
 #include "fp4moe/format.hpp"
 #include "fp4moe/safetensors.hpp"
+#include "test_dir.hpp"
 
 namespace fp4moe::io {
 namespace {
@@ -24,12 +25,7 @@ namespace {
 using ::testing::AllOf;
 using ::testing::HasSubstr;
 
-std::string tmp_path(const std::string& suffix = "") {
-  const std::filesystem::path dir = std::filesystem::path(FP4MOE_TEST_TMPDIR) / "io";
-  std::filesystem::create_directories(dir);
-  const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-  return (dir / (std::string(info->test_suite_name()) + "." + info->name() + suffix + ".safetensors")).string();
-}
+std::string tmp_path(const std::string& suffix = "") { return test::test_file_path("io", suffix + ".safetensors"); }
 
 MoeProblem small_problem(Activation act = Activation::SwiGLU, RoutingMethod method = RoutingMethod::Renormalize,
                          ActQuant quant = ActQuant::W4A4PerExpert) {

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "fp4moe/error.hpp"
+#include "test_dir.hpp"
 
 namespace fp4moe::io {
 namespace {
@@ -19,12 +20,7 @@ namespace {
 using ::testing::AllOf;
 using ::testing::HasSubstr;
 
-std::string tmp_path(const std::string& suffix = "") {
-  const std::filesystem::path dir = std::filesystem::path(FP4MOE_TEST_TMPDIR) / "io";
-  std::filesystem::create_directories(dir);
-  const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-  return (dir / (std::string(info->test_suite_name()) + "." + info->name() + suffix + ".safetensors")).string();
-}
+std::string tmp_path(const std::string& suffix = "") { return test::test_file_path("io", suffix + ".safetensors"); }
 
 std::string read_all(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
