@@ -24,6 +24,25 @@ void check_shape(int64_t rows, int64_t cols, const char* fn) {
         kBlockSize, ", got ", cols);
 }
 
+// The dequantized value of every byte code: both e2m1 nibbles of a packed byte and every e4m3 scale
+// (the CPU reference decodes whole expert matrices with it, so it is a table, built once).
+struct DecodeTable {
+  float pair_lo[256], pair_hi[256];  // element 2j (low nibble) and 2j + 1 (high nibble) of byte j
+  float e4m3[256];
+  DecodeTable() {
+    for (int c = 0; c < 256; ++c) {
+      pair_lo[c] = e2m1_to_float(static_cast<uint8_t>(c & 0xF));
+      pair_hi[c] = e2m1_to_float(static_cast<uint8_t>(c >> 4));
+      e4m3[c] = e4m3_to_float(static_cast<uint8_t>(c));
+    }
+  }
+};
+
+const DecodeTable& decode_table() {
+  static const DecodeTable t;
+  return t;
+}
+
 }  // namespace
 
 uint8_t nvfp4_block_scale(float amax, float global_inv_scale) {
@@ -76,15 +95,19 @@ void dequantize_nvfp4(const uint8_t* packed, const uint8_t* scales, int64_t rows
   if (rows == 0 || cols == 0) return;
   check(packed != nullptr && scales != nullptr && out != nullptr,
         "dequantize_nvfp4: packed, scales and out must be non-null for a non-empty input");
+  const DecodeTable& t = decode_table();
   const int64_t nblocks = cols / kBlockSize;
   for (int64_t r = 0; r < rows; ++r) {
     const uint8_t* pr = packed + r * (cols / 2);
     const uint8_t* sr = scales + r * nblocks;
     float* orow = out + r * cols;
-    for (int64_t c = 0; c < cols; ++c) {
-      const uint8_t byte = pr[c / 2];
-      const uint8_t code = (c % 2 == 0) ? (byte & 0xF) : (byte >> 4);
-      orow[c] = e2m1_to_float(code) * e4m3_to_float(sr[c / kBlockSize]);
+    for (int64_t b = 0; b < nblocks; ++b) {
+      const float sf = t.e4m3[sr[b]];
+      for (int j = 0; j < kBlockSize / 2; ++j) {
+        const uint8_t byte = pr[b * (kBlockSize / 2) + j];
+        orow[b * kBlockSize + 2 * j] = t.pair_lo[byte] * sf;
+        orow[b * kBlockSize + 2 * j + 1] = t.pair_hi[byte] * sf;
+      }
     }
   }
 }

@@ -121,48 +121,11 @@ void expert_gemm(const Permutation& perm, int64_t num_experts, int64_t K, int64_
   });
 }
 
-// Decodes rows [n0, n1) of an NVFP4 matrix (packed [N, K/2], linear e4m3 scales [N, K/16]) to q*sf,
-// the values format::dequantize_nvfp4 gives; a table of the 256 byte codes keeps it fast.
-struct Fp4Decoder {
-  float pair_lo[256], pair_hi[256];
-  float e4m3[256];
-  Fp4Decoder() {
-    for (int c = 0; c < 256; ++c) {
-      pair_lo[c] = format::e2m1_to_float(static_cast<uint8_t>(c & 0xF));
-      pair_hi[c] = format::e2m1_to_float(static_cast<uint8_t>(c >> 4));
-      e4m3[c] = format::e4m3_to_float(static_cast<uint8_t>(c));
-    }
-  }
-  void decode(const uint8_t* packed, const uint8_t* scales, int64_t rows, int64_t K,
-              float* out) const {
-    const int64_t nb = K / kBlockSize;
-    for (int64_t r = 0; r < rows; ++r) {
-      const uint8_t* pr = packed + r * (K / 2);
-      const uint8_t* sr = scales + r * nb;
-      float* o = out + r * K;
-      for (int64_t b = 0; b < nb; ++b) {
-        const float sf = e4m3[sr[b]];
-        for (int i = 0; i < kBlockSize / 2; ++i) {
-          const uint8_t byte = pr[b * (kBlockSize / 2) + i];
-          o[b * kBlockSize + 2 * i] = pair_lo[byte] * sf;
-          o[b * kBlockSize + 2 * i + 1] = pair_hi[byte] * sf;
-        }
-      }
-    }
-  }
-};
-
-const Fp4Decoder& fp4_decoder() {
-  static const Fp4Decoder d;
-  return d;
-}
-
 RowSource nvfp4_rows(const uint8_t* w, const uint8_t* w_scale, int64_t N, int64_t K) {
   return [=](int64_t e, int64_t n0, int64_t n1, std::vector<float>& buf) -> const float* {
     buf.resize(static_cast<size_t>((n1 - n0) * K));
     const int64_t row = e * N + n0;
-    fp4_decoder().decode(w + row * (K / 2), w_scale + row * (K / kBlockSize), n1 - n0, K,
-                         buf.data());
+    format::dequantize_nvfp4(w + row * (K / 2), w_scale + row * (K / kBlockSize), n1 - n0, K, buf.data());
     return buf.data();
   };
 }
@@ -179,7 +142,7 @@ void quantize_dequantize_row(const float* x, int64_t cols, float scale, float* o
   packed.resize(static_cast<size_t>(cols / 2));
   sf.resize(static_cast<size_t>(cols / kBlockSize));
   format::quantize_nvfp4(x, 1, cols, scale, packed.data(), sf.data());
-  fp4_decoder().decode(packed.data(), sf.data(), 1, cols, out);
+  format::dequantize_nvfp4(packed.data(), sf.data(), 1, cols, out);
 }
 
 // Chunks of `chunk` consecutive indices in [0, n), in parallel.
