@@ -14,10 +14,8 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <vector>
 
-#include "fp4moe/format.hpp"
 #include "fp4moe/runner.hpp"
 #include "kernels/launch.hpp"
 
@@ -187,34 +185,16 @@ Status GpuMoeRunner::prepare_weights_or_throw(const reference::MoeWeights& w, co
       if (auto m = check_scales(v, E, name); !m.empty()) return Status::failure(m);
 
   // Canonical layout first: linear scales, [gate; up] row order.
-  std::vector<uint8_t> w13(w.w13, w.w13 + E * N13 * H / 2);
-  std::vector<uint8_t> w13_scale(E * N13 * H / 16), w2_scale(E * H * I / 16);
-  if (options.scales_swizzled) {
-    format::scales_swizzled_to_linear(w.w13_scale, E, N13, H / 16, w13_scale.data());
-    format::scales_swizzled_to_linear(w.w2_scale, E, H, I / 16, w2_scale.data());
-  } else {
-    std::memcpy(w13_scale.data(), w.w13_scale, w13_scale.size());
-    std::memcpy(w2_scale.data(), w.w2_scale, w2_scale.size());
-  }
-  if (options.w13_up_gate) {
-    if (!p.gated())
-      return Status::failure("prepare_weights: w13_up_gate needs a gated activation (relu2 has no gate/up halves)");
-    for (int64_t e = 0; e < E; ++e) {  // swap the two halves of each expert's rows
-      std::swap_ranges(w13.begin() + e * N13 * H / 2, w13.begin() + e * N13 * H / 2 + I * H / 2,
-                       w13.begin() + e * N13 * H / 2 + I * H / 2);
-      std::swap_ranges(w13_scale.begin() + e * N13 * H / 16, w13_scale.begin() + e * N13 * H / 16 + I * H / 16,
-                       w13_scale.begin() + e * N13 * H / 16 + I * H / 16);
-    }
-  }
+  const io::CanonicalExpertWeights canonical = io::canonical_expert_weights(p, w, options);
 
   if (cudaError_t e = kernels::configure_expert_gemm(); e != cudaSuccess)
     return Status::failure(cuda_message("prepare_weights: configuring the expert GEMM", e));
   std::vector<uint8_t> packed, packed_scale;
   std::string m;
-  w13_ = kernels::prepack_expert_weights(w13.data(), w13_scale.data(), E, N13, H, packed, packed_scale);
+  w13_ = kernels::prepack_expert_weights(canonical.w13.data(), canonical.w13_scale.data(), E, N13, H, packed, packed_scale);
   if (m = w13_bytes_.upload(packed.data(), packed.size(), "w13"); !m.empty()) return Status::failure(m);
   if (m = w13_scale_bytes_.upload(packed_scale.data(), packed_scale.size(), "w13_scale"); !m.empty()) return Status::failure(m);
-  w2_ = kernels::prepack_expert_weights(w.w2, w2_scale.data(), E, H, I, packed, packed_scale);
+  w2_ = kernels::prepack_expert_weights(w.w2, canonical.w2_scale.data(), E, H, I, packed, packed_scale);
   if (m = w2_bytes_.upload(packed.data(), packed.size(), "w2"); !m.empty()) return Status::failure(m);
   if (m = w2_scale_bytes_.upload(packed_scale.data(), packed_scale.size(), "w2_scale"); !m.empty()) return Status::failure(m);
 

@@ -25,16 +25,12 @@
 #include "fp4moe/reference.hpp"
 #include "fp4moe/tactic.hpp"
 #include "fp4moe/tune.hpp"
+#include "fp4moe/weight_layout.hpp"
 
 struct CUstream_st;
 struct CUevent_st;
 
 namespace fp4moe {
-
-struct WeightPrepOptions {
-  bool scales_swizzled = false;  // w13_scale / w2_scale given in the 128x4-swizzled layout
-  bool w13_up_gate = false;      // w13 rows given as [up; gate] (FlashInfer order) instead of [gate; up]
-};
 
 enum class LogitsDType { F32, BF16 };
 

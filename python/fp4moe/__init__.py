@@ -1,0 +1,225 @@
+"""fp4moe: NVFP4 Mixture-of-Experts layers on Hopper GPUs (sm_90a), with the numerics of the
+Blackwell NVFP4 kernels (W4A4) or weight-only W4A16, and the CPU reference of the same contract.
+
+    import fp4moe, torch
+    problem = fp4moe.preset("qwen3-30b-a3b", act_quant="w4a4_scalar")
+    layer = fp4moe.MoeLayer(problem, weights, device="cuda:0", max_tokens=8192)
+    output, topk_ids, topk_weights = layer(hidden_states, router_logits)
+
+`weights` maps the tensor names of DESIGN.md §3 (w13, w13_scale, w13_scale_2, w13_input_scale, w2,
+w2_scale, w2_scale_2, w2_input_scale) to arrays of any DLPack framework (torch, CuPy, NumPy, ...);
+`load_checkpoint_layer` reads them from an NVFP4 checkpoint. Tensors pass through DLPack without a
+copy. On "cuda" the forward launches on the caller's stream (torch's or CuPy's current stream unless
+`stream=` is given), allocates nothing but its outputs (none with `forward_into`) and never
+synchronises, so it can be captured in a CUDA graph. On "cpu" it runs the reference (slow, exact).
+
+bf16 tensors of frameworks without bfloat16 (NumPy, CuPy) are passed and returned as their uint16
+bits. PyTorch ops (torch.compile, CUDA graphs) are in fp4moe.torch_ops.
+"""
+
+from . import _fp4moe
+from ._fp4moe import Error, Problem, __version__, cuda_device_available, preset, preset_names
+
+__all__ = ["Error", "MoeLayer", "Problem", "__version__", "cuda_device_available", "load_checkpoint_layer",
+           "preset", "preset_names", "random_case"]
+
+
+# ---- frameworks: which one a tensor comes from, and how to allocate like it --------------------------
+def _type_name(x):
+    return type(x).__module__ + "." + type(x).__name__
+
+
+def _framework(x):
+    module = type(x).__module__.split(".")[0]
+    if module in ("torch", "cupy", "numpy"):
+        return module
+    return None
+
+
+def _empty(like, shape, kind):
+    """An uninitialised tensor of `kind` ("bf16", "int32", "float32") in `like`'s framework and device."""
+    framework = _framework(like)
+    if framework == "torch":
+        import torch
+        dtype = {"bf16": torch.bfloat16, "int32": torch.int32, "float32": torch.float32}[kind]
+        return torch.empty(shape, dtype=dtype, device=like.device)
+    if framework in ("cupy", "numpy"):
+        xp = __import__(framework)
+        dtype = {"bf16": xp.uint16, "int32": xp.int32, "float32": xp.float32}[kind]
+        if framework == "cupy":
+            with like.device:
+                return xp.empty(shape, dtype=dtype)
+        return xp.empty(shape, dtype=dtype)
+    raise Error(f"fp4moe: cannot allocate outputs like a {_type_name(like)} (torch, CuPy and NumPy can); "
+                "pass writable output tensors to MoeLayer.forward_into instead")
+
+
+def _to_host(name, x):
+    """A weight tensor as a contiguous host array the extension reads (DLPack, no copy when it can)."""
+    framework = _framework(x)
+    if framework == "torch":
+        import torch
+        x = x.detach().to("cpu").contiguous()
+        if x.dtype == torch.float8_e4m3fn:
+            x = x.view(torch.uint8)
+        return x
+    if framework == "cupy":
+        return x.get()
+    return x
+
+
+def _stream_handle(stream, like):
+    """The CUDA stream as an integer handle: given (int, torch.cuda.Stream, cupy Stream), else the
+    current stream of `like`'s framework."""
+    if stream is not None:
+        if isinstance(stream, int):
+            return stream
+        for attribute in ("cuda_stream", "ptr"):  # torch.cuda.Stream, cupy.cuda.Stream
+            if hasattr(stream, attribute):
+                return int(getattr(stream, attribute))
+        raise Error(f"fp4moe: stream must be an int handle, a torch.cuda.Stream or a cupy Stream, got {_type_name(stream)}")
+    framework = _framework(like)
+    if framework == "torch":
+        import torch
+        if like.device.type != "cuda":
+            return 0  # the extension then reports the tensor's device
+        return torch.cuda.current_stream(like.device).cuda_stream
+    if framework == "cupy":
+        import cupy
+        return cupy.cuda.get_current_stream().ptr
+    return 0  # the legacy default stream
+
+
+def _parse_device(device):
+    """("cpu", 0) or ("cuda", index) from "cpu", "cuda", "cuda:N" or a torch.device."""
+    text = str(device)
+    if text == "cpu":
+        return "cpu", 0
+    if text == "cuda" or text.startswith("cuda:"):
+        if ":" in text:
+            return "cuda", int(text.split(":", 1)[1])
+        try:
+            import torch
+            return "cuda", torch.cuda.current_device()
+        except ImportError:
+            return "cuda", 0
+    raise Error(f"fp4moe: device must be 'cpu', 'cuda' or 'cuda:N', got '{text}'")
+
+
+def _allocate_workspace(nbytes, index):
+    """The layer's device workspace, allocated once by torch or CuPy (whichever is installed)."""
+    nbytes = max(int(nbytes), 256)
+    try:
+        import torch
+        return torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{index}")
+    except ImportError:
+        pass
+    try:
+        import cupy
+        with cupy.cuda.Device(index):
+            return cupy.empty(nbytes, dtype=cupy.uint8)
+    except ImportError:
+        pass
+    raise Error("fp4moe.MoeLayer: a cuda layer allocates its workspace with torch or CuPy; neither is installed")
+
+
+class MoeLayer:
+    """One NVFP4 MoE layer with prepared weights on a device ("cuda", "cuda:N" or "cpu").
+
+    Weights are read once (any DLPack framework, host or device; device tensors are copied to the
+    host first) and converted to the kernels' layout; `scales_swizzled` says the block scales come in
+    the 128x4-swizzled layout, `w13_up_gate` that w13's rows are [up; gate] (FlashInfer's order).
+    A forward takes at most `max_tokens` tokens. One forward at a time per layer: the forwards share
+    the layer's workspace, so layers used on several streams at once need one layer each.
+    """
+
+    def __init__(self, problem, weights, *, device="cuda", max_tokens=8192, scales_swizzled=False,
+                 w13_up_gate=False):
+        kind, index = _parse_device(device)
+        host = {name: _to_host(name, value) for name, value in dict(weights).items()}
+        self._impl = _fp4moe.Layer(problem, host, kind, max_tokens, index, scales_swizzled, w13_up_gate)
+        self._workspace = _allocate_workspace(self._impl.workspace_size(), index) if kind == "cuda" else None
+
+    @property
+    def problem(self):
+        return self._impl.problem
+
+    @property
+    def device(self):
+        return self._impl.device
+
+    @property
+    def max_tokens(self):
+        return self._impl.max_tokens
+
+    def tactic(self, num_tokens):
+        """The expert-GEMM tactic a forward of num_tokens tokens uses (cuda layers)."""
+        return self._impl.tactic(num_tokens)
+
+    def use_tune_cache(self, path):
+        """Choose tactics from this tuning cache file (`fp4moe tune`); a bad file warns once and is ignored."""
+        self._impl.use_tune_cache(str(path))
+
+    def __call__(self, hidden_states, router_logits=None, *, routing_bias=None, topk_ids=None, topk_weights=None,
+                 stream=None):
+        """Runs the layer; returns (output [T, H] bf16, topk_ids [T, k] int32, topk_weights [T, k] float32),
+        allocated in hidden_states' framework. With routing method "precomputed", pass topk_ids and
+        topk_weights instead of router_logits (they are returned as given)."""
+        problem = self.problem
+        T = hidden_states.shape[0]
+        output = _empty(hidden_states, (T, problem.hidden), "bf16")
+        if problem.routing_method != "precomputed":
+            if topk_ids is not None or topk_weights is not None:
+                raise Error(f"MoeLayer: topk_ids / topk_weights are outputs with routing method "
+                            f"{problem.routing_method}; give router_logits only")
+            topk_ids = _empty(hidden_states, (T, problem.top_k), "int32")
+            topk_weights = _empty(hidden_states, (T, problem.top_k), "float32")
+        elif topk_ids is None or topk_weights is None:
+            raise Error("MoeLayer: routing method precomputed needs topk_ids [T, k] int32 and topk_weights [T, k] float32")
+        self.forward_into(hidden_states, router_logits, routing_bias=routing_bias, topk_ids=topk_ids,
+                          topk_weights=topk_weights, output=output, stream=stream)
+        return output, topk_ids, topk_weights
+
+    def forward_into(self, hidden_states, router_logits=None, *, routing_bias=None, topk_ids, topk_weights, output,
+                     stream=None):
+        """Runs the layer into caller tensors (no allocation). topk_ids / topk_weights are written, or
+        read with routing method precomputed."""
+        handle = _stream_handle(stream, hidden_states) if self._workspace is not None else 0
+        self._impl.forward(hidden_states, router_logits, routing_bias, topk_ids, topk_weights, output,
+                           self._workspace, handle)
+
+
+_BF16_BITS = ("hidden_states", "router_weight")  # host arrays holding bf16 as uint16 bits
+
+
+def _convert(value, framework, key=""):
+    """The extension's host arrays (and dicts of them) as NumPy arrays or torch CPU tensors, no copy."""
+    if isinstance(value, dict):
+        return {k: _convert(v, framework, k) for k, v in value.items()}
+    if not hasattr(value, "__dlpack__"):
+        return value
+    if framework == "numpy":
+        import numpy
+        return numpy.asarray(value)
+    if framework == "torch":
+        import torch
+        tensor = torch.from_dlpack(value)
+        return tensor.view(torch.bfloat16) if key in _BF16_BITS else tensor
+    raise Error(f"fp4moe: framework must be 'numpy' or 'torch', got '{framework}'")
+
+
+def load_checkpoint_layer(checkpoint, layer, *, ep_rank=0, ep_size=1, fusion="rescale_to_max", framework="numpy"):
+    """One MoE layer of an NVFP4 checkpoint directory (ModelOpt or compressed-tensors): a dict with
+    "problem" (Problem), "weights" (host arrays for MoeLayer; block scales as uint8 e4m3 bits),
+    "router_weight" [E_total, H] (bf16; uint16 bits in NumPy), "routing_bias" [E_total] when the
+    model has one, "expert_begin" / "expert_end" (this expert-parallel rank's global ids) and the
+    w1/w3 scale-fusion report. `framework`: "numpy" or "torch" (CPU tensors)."""
+    return _convert(_fp4moe.load_layer(str(checkpoint), layer, ep_rank=ep_rank, ep_size=ep_size, fusion=fusion),
+                    framework)
+
+
+def random_case(problem, num_tokens, seed=1, framework="numpy"):
+    """Random NVFP4 weights and inputs for `problem` (host arrays): {"weights": {...}, "hidden_states"
+    (bf16; uint16 bits in NumPy), "router_logits" or "topk_ids" / "topk_weights", "routing_bias" when
+    the method is deepseek_v3}. `framework`: "numpy" or "torch" (CPU tensors)."""
+    return _convert(_fp4moe.random_case(problem, num_tokens, seed), framework)

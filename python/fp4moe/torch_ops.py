@@ -1,0 +1,96 @@
+"""PyTorch ops over fp4moe.MoeLayer, for torch.compile and CUDA graphs.
+
+    from fp4moe.torch_ops import FusedMoE
+    moe = FusedMoE(problem, weights, device="cuda:0", max_tokens=8192)  # a torch.nn.Module
+    output = moe(hidden_states, router_logits)                           # torch.ops.fp4moe.moe_forward
+    output, topk_ids, topk_weights = moe(hidden_states, router_logits, return_routing=True)
+
+The ops name their layer by an integer handle (a registry of live layers), so the graph that
+torch.compile traces holds only tensors and ints:
+    torch.ops.fp4moe.moe_forward(handle, hidden_states, router_logits, routing_bias) -> (output, topk_ids, topk_weights)
+    torch.ops.fp4moe.moe_forward_routed(handle, hidden_states, topk_ids, topk_weights) -> output
+Both allocate their outputs with torch (the caching allocator; a captured graph's pool while
+capturing) and launch on the current stream without synchronising.
+"""
+
+import itertools
+import weakref
+from typing import Optional
+
+import torch
+
+from . import Error, MoeLayer
+
+_layers = weakref.WeakValueDictionary()  # handle -> MoeLayer
+_handles = itertools.count(1)
+
+
+def register_layer(layer: MoeLayer) -> int:
+    """A handle for `layer` to pass to the ops (valid while the layer lives)."""
+    handle = next(_handles)
+    _layers[handle] = layer
+    return handle
+
+
+def _layer(handle: int) -> MoeLayer:
+    layer = _layers.get(handle)
+    if layer is None:
+        raise Error(f"fp4moe op: no live layer has handle {handle} (register it with fp4moe.torch_ops.register_layer)")
+    return layer
+
+
+@torch.library.custom_op("fp4moe::moe_forward", mutates_args=())
+def moe_forward(layer: int, hidden_states: torch.Tensor, router_logits: torch.Tensor,
+                routing_bias: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _layer(layer)(hidden_states, router_logits, routing_bias=routing_bias)
+
+
+@moe_forward.register_fake
+def _(layer, hidden_states, router_logits, routing_bias=None):
+    problem = _layer(layer).problem
+    tokens = hidden_states.shape[0]
+    return (hidden_states.new_empty((tokens, problem.hidden), dtype=torch.bfloat16),
+            hidden_states.new_empty((tokens, problem.top_k), dtype=torch.int32),
+            hidden_states.new_empty((tokens, problem.top_k), dtype=torch.float32))
+
+
+@torch.library.custom_op("fp4moe::moe_forward_routed", mutates_args=())
+def moe_forward_routed(layer: int, hidden_states: torch.Tensor, topk_ids: torch.Tensor,
+                       topk_weights: torch.Tensor) -> torch.Tensor:
+    output, _, _ = _layer(layer)(hidden_states, topk_ids=topk_ids, topk_weights=topk_weights)
+    return output
+
+
+@moe_forward_routed.register_fake
+def _(layer, hidden_states, topk_ids, topk_weights):
+    return hidden_states.new_empty((hidden_states.shape[0], _layer(layer).problem.hidden), dtype=torch.bfloat16)
+
+
+class FusedMoE(torch.nn.Module):
+    """An NVFP4 MoE layer as a torch module (weights prepared once; see fp4moe.MoeLayer)."""
+
+    def __init__(self, problem, weights, *, device="cuda", max_tokens=8192, scales_swizzled=False,
+                 w13_up_gate=False):
+        super().__init__()
+        self.layer = MoeLayer(problem, weights, device=device, max_tokens=max_tokens,
+                              scales_swizzled=scales_swizzled, w13_up_gate=w13_up_gate)
+        # NOTE: plain Python values only in forward, so that torch.compile traces it without a graph break.
+        self.handle = register_layer(self.layer)
+        self.precomputed = self.layer.problem.routing_method == "precomputed"
+
+    @property
+    def problem(self):
+        return self.layer.problem
+
+    def forward(self, hidden_states, router_logits=None, routing_bias=None, topk_ids=None, topk_weights=None,
+                return_routing=False):
+        if self.precomputed:
+            if topk_ids is None or topk_weights is None:
+                raise Error("FusedMoE: routing method precomputed needs topk_ids and topk_weights")
+            output = torch.ops.fp4moe.moe_forward_routed(self.handle, hidden_states, topk_ids, topk_weights)
+            return (output, topk_ids, topk_weights) if return_routing else output
+        output, ids, weights = torch.ops.fp4moe.moe_forward(self.handle, hidden_states, router_logits, routing_bias)
+        return (output, ids, weights) if return_routing else output
+
+    def extra_repr(self):
+        return f"{self.layer.problem.describe()}, device={self.layer.device}, max_tokens={self.layer.max_tokens}"

@@ -1,0 +1,226 @@
+"""The Python module on the CPU (NumPy arrays, the reference backend): problems and presets, the layer
+against an independent NumPy model of DESIGN.md §1, the input layouts, and the error messages at the
+API boundary."""
+
+import pytest
+
+import fp4moe
+
+np = pytest.importorskip("numpy")  # a GPU machine may have torch without NumPy: these tests then skip
+
+E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], dtype=np.float64)
+
+
+def e4m3_to_float(codes):
+    c = codes.astype(np.int64)
+    sign = np.where(c & 0x80, -1.0, 1.0)
+    exponent, mantissa = (c >> 3) & 0xF, c & 0x7
+    value = np.where(exponent == 0, mantissa / 8.0 * 2.0**-6, (1 + mantissa / 8.0) * 2.0 ** (exponent - 7))
+    return np.where((c & 0x7F) == 0x7F, np.nan, sign * value)
+
+
+def bf16_bits_to_float(bits):
+    return (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+
+
+def bf16_round(x):
+    """fp64 -> fp32 -> bf16 (round to nearest even) -> fp64."""
+    u = x.astype(np.float32).view(np.uint32)
+    u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+    return u.view(np.float32).astype(np.float64)
+
+
+def dequantize(packed, scales, scale_2):
+    """[E, rows, cols/2] e2m1 pairs and [E, rows, cols/16] e4m3 -> [E, rows, cols] values."""
+    codes = np.stack([packed & 0xF, packed >> 4], axis=-1).reshape(*packed.shape[:-1], -1)
+    return E2M1[codes] * np.repeat(e4m3_to_float(scales), 16, axis=-1) * scale_2[:, None, None]
+
+
+def numpy_moe_w4a16(problem, case):
+    """Renormalize routing, SwiGLU, w4a16 (DESIGN.md §1) in fp64 with the contract's bf16 roundings."""
+    assert problem.routing_method == "renormalize" and problem.activation == "swiglu"
+    w = case["weights"]
+    w13 = dequantize(w["w13"], w["w13_scale"], w["w13_scale_2"])
+    w2 = dequantize(w["w2"], w["w2_scale"], w["w2_scale_2"])
+    x = bf16_bits_to_float(case["hidden_states"])
+    logits = case["router_logits"].astype(np.float64)
+    k, inter = problem.top_k, problem.inter
+    ids = np.argsort(-logits, axis=1, kind="stable")[:, :k]  # ties: lower id first
+    top = np.take_along_axis(logits, ids, axis=1)
+    weights = np.exp(top - top.max(axis=1, keepdims=True))
+    weights /= weights.sum(axis=1, keepdims=True)
+    out = np.zeros((x.shape[0], problem.hidden))
+    for t in range(x.shape[0]):
+        for j in range(k):
+            h = w13[ids[t, j]] @ x[t]
+            gate, up = h[:inter], h[inter:]
+            act = bf16_round(gate / (1 + np.exp(-gate)) * up)
+            out[t] += weights[t, j] * (w2[ids[t, j]] @ act)
+    return bf16_round(out), ids.astype(np.int32), weights
+
+
+def test_presets_and_problem():
+    assert "deepseek-r1" in fp4moe.preset_names() and "tiny" in fp4moe.preset_names()
+    p = fp4moe.preset("deepseek-r1", act_quant="w4a4_scalar")
+    assert (p.num_experts, p.hidden, p.inter, p.top_k) == (256, 7168, 2048, 8)
+    assert p.routing_method == "deepseek_v3" and p.act_quant == "w4a4_scalar" and p.n_group == 8
+    assert p.with_act_quant("w4a16").act_quant == "w4a16"
+    q = fp4moe.Problem(num_experts=16, hidden=256, inter=128, top_k=4, routing_method="sigmoid_renorm",
+                       activation="relu2")
+    assert q.w13_rows == 128 and "sigmoid_renorm" in repr(q)
+    with pytest.raises(fp4moe.Error, match="routing_method"):
+        fp4moe.Problem(num_experts=16, hidden=256, inter=128, top_k=4, routing_method="softmax")
+    with pytest.raises(fp4moe.Error, match="16"):
+        fp4moe.Problem(num_experts=16, hidden=100, inter=128, top_k=4)
+    with pytest.raises(fp4moe.Error, match="tiny"):
+        fp4moe.preset("no-such-model")
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 17])
+def test_cpu_layer_matches_numpy_model(tokens):
+    problem = fp4moe.preset("tiny")
+    case = fp4moe.random_case(problem, tokens, seed=100 + tokens)
+    layer = fp4moe.MoeLayer(problem, case["weights"], device="cpu", max_tokens=64)
+    assert layer.device == "cpu" and layer.max_tokens == 64
+    output, ids, weights = layer(case["hidden_states"], case["router_logits"])
+    assert output.dtype == np.uint16 and output.shape == (tokens, problem.hidden)
+    ref_out, ref_ids, ref_weights = numpy_moe_w4a16(problem, case)
+    np.testing.assert_array_equal(ids, ref_ids)
+    np.testing.assert_allclose(weights, ref_weights, rtol=1e-6)
+    # fp32 (library) against fp64 (here) summation moves a bf16 rounding of the activation on rare
+    # elements: the tolerance of the GPU layer tests (docs/numerics.md).
+    got = bf16_bits_to_float(output)
+    assert np.linalg.norm(got - ref_out) <= 5e-3 * np.linalg.norm(ref_out)
+
+
+def test_forward_forms_agree():
+    problem = fp4moe.preset("tiny", act_quant="w4a4_scalar")
+    case = fp4moe.random_case(problem, 9, seed=7)
+    layer = fp4moe.MoeLayer(problem, case["weights"], device="cpu", max_tokens=16)
+    out, ids, weights = layer(case["hidden_states"], case["router_logits"])
+    # forward_into writes every element of poisoned outputs.
+    poisoned = [np.full_like(out, 0xFFFF), np.full_like(ids, -1), np.full_like(weights, np.nan)]
+    layer.forward_into(case["hidden_states"], case["router_logits"], output=poisoned[0], topk_ids=poisoned[1],
+                       topk_weights=poisoned[2])
+    np.testing.assert_array_equal(poisoned[0], out)
+    np.testing.assert_array_equal(poisoned[1], ids)
+    np.testing.assert_array_equal(poisoned[2], weights)
+    # bf16 logits (as bits) of the same values route the same way.
+    logits = case["router_logits"]
+    logits_bf16 = (bf16_round(logits.astype(np.float64)).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    out_bf16, ids_bf16, _ = layer(case["hidden_states"], logits_bf16)
+    out_rounded, ids_rounded, _ = layer(case["hidden_states"], bf16_bits_to_float(logits_bf16).astype(np.float32))
+    np.testing.assert_array_equal(out_bf16, out_rounded)
+    np.testing.assert_array_equal(ids_bf16, ids_rounded)
+    # Precomputed routing with the ids and weights the router gave: the same output.
+    routed = fp4moe.MoeLayer(problem.with_routing_method("precomputed"), case["weights"], device="cpu", max_tokens=16)
+    out_routed, _, _ = routed(case["hidden_states"], topk_ids=ids, topk_weights=weights)
+    np.testing.assert_array_equal(out_routed, out)
+    # T = 0 is valid.
+    empty, empty_ids, _ = layer(case["hidden_states"][:0], logits[:0])
+    assert empty.shape == (0, problem.hidden) and empty_ids.shape == (0, problem.top_k)
+
+
+def swizzle_scales(linear):
+    """[E, rows, cols] e4m3 -> the 128x4-swizzled bytes (fp4moe/format.hpp), written out independently."""
+    batches, rows, cols = linear.shape
+    row_tiles, col_tiles = -(-rows // 128), -(-cols // 4)
+    out = np.zeros(batches * row_tiles * col_tiles * 512, dtype=np.uint8)
+    b, m, k = np.meshgrid(np.arange(batches), np.arange(rows), np.arange(cols), indexing="ij")
+    offset = (b * row_tiles * col_tiles * 512 + (m // 128) * col_tiles * 512 + (k // 4) * 512 + (m % 32) * 16
+              + ((m % 128) // 32) * 4 + k % 4)
+    out[offset.ravel()] = linear.ravel()
+    return out
+
+
+def test_swizzled_scales_and_up_gate_rows_give_the_same_layer():
+    problem = fp4moe.preset("tiny")
+    case = fp4moe.random_case(problem, 11, seed=8)
+    w = case["weights"]
+    out, _, _ = fp4moe.MoeLayer(problem, w, device="cpu", max_tokens=16)(case["hidden_states"], case["router_logits"])
+    inter = problem.inter
+    up_gate = lambda a: np.concatenate([a[:, inter:], a[:, :inter]], axis=1)
+    other = dict(w, w13=up_gate(w["w13"]), w13_scale=swizzle_scales(up_gate(w["w13_scale"])),
+                 w2_scale=swizzle_scales(w["w2_scale"]))
+    layer = fp4moe.MoeLayer(problem, other, device="cpu", max_tokens=16, scales_swizzled=True, w13_up_gate=True)
+    out_other, _, _ = layer(case["hidden_states"], case["router_logits"])
+    np.testing.assert_array_equal(out_other, out)
+
+
+def test_errors_name_the_argument():
+    problem = fp4moe.preset("tiny", act_quant="w4a4_scalar")
+    case = fp4moe.random_case(problem, 4, seed=9)
+    w, x, logits = case["weights"], case["hidden_states"], case["router_logits"]
+    with pytest.raises(fp4moe.Error, match=r"'w2_input_scale' is missing \(act_quant w4a4_scalar needs it\)"):
+        fp4moe.MoeLayer(problem, {k: v for k, v in w.items() if k != "w2_input_scale"}, device="cpu", max_tokens=8)
+    with pytest.raises(fp4moe.Error, match="unknown key 'w3'"):
+        fp4moe.MoeLayer(problem, dict(w, w3=w["w2"]), device="cpu", max_tokens=8)
+    with pytest.raises(fp4moe.Error, match=r"w13: expected shape \[E, w13_rows, H/2\] = \[8, 256, 128\], got \[8, 256, 64\]"):
+        fp4moe.MoeLayer(problem, dict(w, w13=w["w13"][:, :, :64].copy()), device="cpu", max_tokens=8)
+    with pytest.raises(fp4moe.Error, match="w2_scale_2: expected dtype float32, got float64"):
+        fp4moe.MoeLayer(problem, dict(w, w2_scale_2=w["w2_scale_2"].astype(np.float64)), device="cpu", max_tokens=8)
+    with pytest.raises(fp4moe.Error, match="'w2' is not an array"):
+        fp4moe.MoeLayer(problem, dict(w, w2="weights"), device="cpu", max_tokens=8)
+    with pytest.raises(fp4moe.Error, match="device must be"):
+        fp4moe.MoeLayer(problem, w, device="tpu", max_tokens=8)
+
+    layer = fp4moe.MoeLayer(problem, w, device="cpu", max_tokens=8)
+    with pytest.raises(fp4moe.Error, match="hidden_states: expected dtype bfloat16"):
+        layer(x.astype(np.float32), logits)
+    with pytest.raises(fp4moe.Error, match="hidden_states: expected a contiguous row-major tensor"):
+        layer(np.asfortranarray(x), logits)
+    with pytest.raises(fp4moe.Error, match=r"router_logits: expected shape \[T, E\] = \[4, 8\], got \[4, 7\]"):
+        layer(x, logits[:, :7].copy())
+    with pytest.raises(fp4moe.Error, match="router_logits is required"):
+        layer(x)
+    with pytest.raises(fp4moe.Error, match="routing_bias is only used by deepseek_v3"):
+        layer(x, logits, routing_bias=np.zeros(8, np.float32))
+    with pytest.raises(fp4moe.Error, match="exceeds the layer's max_tokens = 8"):
+        big = fp4moe.random_case(problem, 9, seed=10)
+        layer(big["hidden_states"], big["router_logits"])
+    with pytest.raises(fp4moe.Error, match="topk_ids / topk_weights are outputs"):
+        layer(x, logits, topk_ids=np.zeros((4, 2), np.int32), topk_weights=np.zeros((4, 2), np.float32))
+
+
+def test_cuda_layer_without_a_gpu_says_why():
+    available, why = fp4moe.cuda_device_available()
+    if available:
+        pytest.skip("a GPU is present: the GPU tests cover the cuda layer")
+    assert why
+    problem = fp4moe.preset("tiny")
+    case = fp4moe.random_case(problem, 1, seed=11)
+    with pytest.raises(fp4moe.Error) as error:
+        fp4moe.MoeLayer(problem, case["weights"], device="cuda:0", max_tokens=8)
+    assert str(error.value)
+
+
+@pytest.mark.parametrize("family,fmt", [("deepseek_v3", "modelopt"), ("qwen3_moe", "compressed-tensors"),
+                                        ("llama4", "modelopt")])
+def test_load_checkpoint_layer(tmp_path, family, fmt):
+    expected = fp4moe._fp4moe._write_checkpoint_fixture(str(tmp_path), family, fmt)
+    for layer, weights in expected.items():
+        loaded = fp4moe.load_checkpoint_layer(tmp_path, layer)
+        problem = loaded["problem"]
+        assert loaded["layer"] == layer and (loaded["expert_begin"], loaded["expert_end"]) == (0, problem.num_experts)
+        assert loaded["router_weight"].shape == (loaded["total_experts"], problem.hidden)
+        assert ("routing_bias" in loaded) == (family == "deepseek_v3")
+        for name, value in weights.items():
+            np.testing.assert_array_equal(loaded["weights"][name], np.asarray(value), err_msg=name)
+        tokens = 5
+        x = fp4moe.random_case(problem, tokens, seed=layer)["hidden_states"]
+        logits = (bf16_bits_to_float(x) @ bf16_bits_to_float(loaded["router_weight"]).T).astype(np.float32)
+        bias = loaded.get("routing_bias")
+        out, ids, _ = fp4moe.MoeLayer(problem, loaded["weights"], device="cpu", max_tokens=8)(x, logits, routing_bias=bias)
+        assert out.shape == (tokens, problem.hidden) and ids.shape == (tokens, problem.top_k)
+        assert not np.isnan(bf16_bits_to_float(out)).any()
+    # Expert parallelism: rank 1 of 2 holds the second half of the experts.
+    layer = next(iter(expected))
+    half = fp4moe.load_checkpoint_layer(tmp_path, layer, ep_rank=1, ep_size=2)
+    total = half["total_experts"]
+    assert (half["expert_begin"], half["expert_end"]) == (total // 2, total)
+    np.testing.assert_array_equal(half["weights"]["w2"], np.asarray(expected[layer]["w2"])[total // 2:])
+
+
+def test_load_checkpoint_layer_errors_name_the_path(tmp_path):
+    with pytest.raises(fp4moe.Error, match=str(tmp_path / "missing")):
+        fp4moe.load_checkpoint_layer(tmp_path / "missing", 0)

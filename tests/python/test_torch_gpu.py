@@ -1,0 +1,151 @@
+"""The Python module on the GPU through torch (ctest label gpu): the cuda layer against the CPU
+reference layer on fresh random inputs with poisoned outputs, the torch ops (opcheck, torch.compile,
+CUDA-graph capture, side streams) and the errors of device mismatches."""
+
+import pytest
+
+import fp4moe
+
+torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available() or not fp4moe.cuda_device_available()[0]:
+    pytest.skip(f"no sm_90 GPU for fp4moe: {fp4moe.cuda_device_available()[1]}", allow_module_level=True)
+
+from fp4moe.torch_ops import FusedMoE, register_layer  # noqa: E402  (needs torch)
+
+DEVICE = "cuda:0"
+
+PROBLEMS = {
+    "tiny-w4a16": fp4moe.preset("tiny"),
+    "tiny-w4a4_scalar": fp4moe.preset("tiny", act_quant="w4a4_scalar"),
+    "tiny-w4a4_per_expert": fp4moe.preset("tiny", act_quant="w4a4_per_expert"),
+    "deepseek_v3-groups": fp4moe.Problem(num_experts=32, hidden=512, inter=256, top_k=4, routing_method="deepseek_v3",
+                                         n_group=4, topk_group=2, routed_scaling_factor=2.5, act_quant="w4a4_scalar"),
+    "llama4-top1": fp4moe.Problem(num_experts=8, hidden=512, inter=256, top_k=1, routing_method="llama4",
+                                  apply_router_weight_on_input=True),
+    "swiglu_oai-padded": fp4moe.Problem(num_experts=8, hidden=720, inter=720, top_k=2, activation="swiglu_oai"),
+}
+
+
+def to_device(case):
+    """random_case(framework="torch") tensors on the GPU."""
+    out = {k: v.to(DEVICE) for k, v in case.items() if k != "weights"}
+    return out
+
+
+def bf16_ulp(x):
+    exponent = torch.frexp(x.abs().clamp_min(1e-30))[1]
+    return torch.ldexp(torch.ones_like(x), exponent - 8)
+
+
+def expect_close(gpu_out, ref_out, label):
+    """The tolerance of the C++ layer tests (docs/numerics.md): no NaN the reference lacks, relative L2
+    below 5e-3, at most 0.5% of elements beyond one bf16 ulp plus 1e-3 of their row's RMS."""
+    g, r = gpu_out.float().cpu(), ref_out.float().cpu()
+    assert not (g.isnan() & ~r.isnan()).any(), f"{label}: NaN where the reference has none"
+    if r.numel() == 0:
+        return
+    assert torch.linalg.norm(g - r) <= 5e-3 * torch.linalg.norm(r) + 1e-30, label
+    floor = 1e-3 * r.pow(2).mean(dim=1, keepdim=True).sqrt()
+    off = ((g - r).abs() > bf16_ulp(r) * 1.01 + floor).sum().item()
+    assert off <= int(0.005 * r.numel()) + 1, f"{label}: {off} of {r.numel()} beyond 1 ulp + 1e-3 row RMS"
+
+
+@pytest.mark.parametrize("name", list(PROBLEMS))
+@pytest.mark.parametrize("tokens", [0, 1, 3, 17, 255])
+def test_cuda_layer_matches_cpu_layer(name, tokens):
+    problem = PROBLEMS[name]
+    case = fp4moe.random_case(problem, tokens, seed=1000 + tokens, framework="torch")
+    cpu = fp4moe.MoeLayer(problem, case["weights"], device="cpu", max_tokens=256)
+    gpu = fp4moe.MoeLayer(problem, case["weights"], device=DEVICE, max_tokens=256)
+    assert gpu.device == DEVICE and gpu.tactic(max(tokens, 1))
+    inputs = to_device(case)
+    bias = inputs.get("routing_bias")
+    ref_out, ref_ids, ref_weights = cpu(case["hidden_states"], case["router_logits"], routing_bias=case.get("routing_bias"))
+    # Poisoned outputs: every element must be written.
+    out = torch.full((tokens, problem.hidden), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    ids = torch.full((tokens, problem.top_k), -1, dtype=torch.int32, device=DEVICE)
+    weights = torch.full((tokens, problem.top_k), float("nan"), dtype=torch.float32, device=DEVICE)
+    gpu.forward_into(inputs["hidden_states"], inputs["router_logits"], routing_bias=bias, topk_ids=ids,
+                     topk_weights=weights, output=out)
+    torch.cuda.synchronize()
+    assert torch.equal(ids.cpu(), ref_ids), name
+    torch.testing.assert_close(weights.cpu(), ref_weights, rtol=1e-6, atol=1e-30)
+    expect_close(out, ref_out, f"{name} T={tokens}")
+    # The allocating call gives the same bits (deterministic: no atomics).
+    out2, ids2, _ = gpu(inputs["hidden_states"], inputs["router_logits"], routing_bias=bias)
+    assert torch.equal(out2, out) and torch.equal(ids2, ids)
+
+
+def test_bf16_logits_and_precomputed_routing():
+    problem = PROBLEMS["tiny-w4a4_scalar"]
+    case = fp4moe.random_case(problem, 33, seed=5, framework="torch")
+    inputs = to_device(case)
+    gpu = fp4moe.MoeLayer(problem, case["weights"], device=DEVICE, max_tokens=64)
+    logits_bf16 = inputs["router_logits"].to(torch.bfloat16)
+    out_bf16, ids_bf16, w_bf16 = gpu(inputs["hidden_states"], logits_bf16)
+    out_f32, ids_f32, _ = gpu(inputs["hidden_states"], logits_bf16.float())
+    assert torch.equal(out_bf16, out_f32) and torch.equal(ids_bf16, ids_f32)
+    routed = fp4moe.MoeLayer(problem.with_routing_method("precomputed"), case["weights"], device=DEVICE, max_tokens=64)
+    out_routed, _, _ = routed(inputs["hidden_states"], topk_ids=ids_bf16, topk_weights=w_bf16)
+    assert torch.equal(out_routed, out_bf16)
+
+
+def test_torch_ops_opcheck_compile_and_graph():
+    problem = PROBLEMS["deepseek_v3-groups"]
+    case = fp4moe.random_case(problem, 64, seed=6, framework="torch")
+    inputs = to_device(case)
+    moe = FusedMoE(problem, case["weights"], device=DEVICE, max_tokens=64)
+    x, logits, bias = inputs["hidden_states"], inputs["router_logits"], inputs["routing_bias"]
+    eager, ids, weights = moe(x, logits, bias, return_routing=True)
+
+    torch.library.opcheck(torch.ops.fp4moe.moe_forward.default, (moe.handle, x, logits, bias))
+    compiled = torch.compile(moe, backend="aot_eager", fullgraph=True)
+    assert torch.equal(compiled(x, logits, bias), eager)
+
+    # CUDA graph: capture once, replay on new inputs copied into the captured buffers.
+    static_x, static_logits = x.clone(), logits.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        moe(static_x, static_logits, bias)  # warm-up off the default stream
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = moe(static_x, static_logits, bias)
+    other = to_device(fp4moe.random_case(problem, 64, seed=7, framework="torch"))
+    static_x.copy_(other["hidden_states"])
+    static_logits.copy_(other["router_logits"])
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(static_out, moe(other["hidden_states"], other["router_logits"], bias))
+
+
+def test_routed_op_and_cpu_op():
+    problem = PROBLEMS["tiny-w4a16"].with_routing_method("precomputed")
+    case = fp4moe.random_case(problem, 20, seed=8, framework="torch")
+    moe = FusedMoE(problem, case["weights"], device=DEVICE, max_tokens=32)
+    inputs = to_device(case)
+    args = (moe.handle, inputs["hidden_states"], inputs["topk_ids"], inputs["topk_weights"])
+    torch.library.opcheck(torch.ops.fp4moe.moe_forward_routed.default, args)
+    out = moe(inputs["hidden_states"], topk_ids=inputs["topk_ids"], topk_weights=inputs["topk_weights"])
+    # The same op on a cpu layer (the reference) with CPU tensors.
+    cpu = fp4moe.MoeLayer(problem, case["weights"], device="cpu", max_tokens=32)
+    handle = register_layer(cpu)
+    ref = torch.ops.fp4moe.moe_forward_routed(handle, case["hidden_states"], case["topk_ids"], case["topk_weights"])
+    expect_close(out, ref, "precomputed")
+
+
+def test_device_mismatch_errors():
+    problem = PROBLEMS["tiny-w4a16"]
+    case = fp4moe.random_case(problem, 4, seed=9, framework="torch")
+    gpu = fp4moe.MoeLayer(problem, case["weights"], device=DEVICE, max_tokens=8)
+    with pytest.raises(fp4moe.Error, match="hidden_states: expected a tensor on cuda:0 .*got cpu"):
+        gpu(case["hidden_states"], case["router_logits"].to(DEVICE))
+    inputs = to_device(case)
+    with pytest.raises(fp4moe.Error, match="router_logits: expected a tensor on cuda:0"):
+        gpu(inputs["hidden_states"], case["router_logits"])
+    with pytest.raises(fp4moe.Error, match="exceeds the layer's max_tokens"):
+        big = to_device(fp4moe.random_case(problem, 9, seed=10, framework="torch"))
+        gpu(big["hidden_states"], big["router_logits"])
