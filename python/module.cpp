@@ -47,7 +47,7 @@ using InArray = nb::ndarray<nb::ro>;  // the same, read-only accepted (inputs)
 constexpr int kDLCPU = 1, kDLCUDA = 2, kDLCUDAHost = 3;
 
 // ---- tensor checks ---------------------------------------------------------------------------------
-enum class Elem { BF16, F32, I32, Packed, E4M3, Bytes };
+enum class Elem { BF16, F32, I32, Packed, E4M3, Bytes, Logits };
 
 bool is(nb::dlpack::dtype d, Code code, int bits) { return d.code == uint8_t(code) && d.bits == bits && d.lanes == 1; }
 
@@ -59,6 +59,7 @@ bool matches(nb::dlpack::dtype d, Elem e) {
     case Elem::Packed: return is(d, Code::UInt, 8) || is(d, Code::Int, 8);
     case Elem::E4M3: return is(d, Code::Float8_E4M3FN, 8) || is(d, Code::UInt, 8);
     case Elem::Bytes: return is(d, Code::UInt, 8) || is(d, Code::Int, 8);
+    case Elem::Logits: return matches(d, Elem::F32) || matches(d, Elem::BF16);
   }
   return false;
 }
@@ -71,6 +72,7 @@ const char* expected_dtype(Elem e) {
     case Elem::Packed: return "uint8 (two e2m1 codes per byte)";
     case Elem::E4M3: return "float8_e4m3fn (or its bits as uint8)";
     case Elem::Bytes: return "uint8 or int8";
+    case Elem::Logits: return "float32 or bfloat16 (or its bits as int16 / uint16)";
   }
   return "?";
 }
@@ -297,8 +299,8 @@ class Layer {
     check(routed != logits.has_value(), "Layer.forward: ",
           routed ? "routing method precomputed takes topk_ids and topk_weights, not router_logits"
                  : "router_logits is required (routing method " + std::string(to_string(p.routing.method)) + ")");
-    const bool logits_bf16 = logits && !is(logits->dtype(), Code::Float, 32);
-    const void* s = logits ? t(*logits, "router_logits", logits_bf16 ? Elem::BF16 : Elem::F32, {T, E}, "[T, E]") : nullptr;
+    const void* s = logits ? t(*logits, "router_logits", Elem::Logits, {T, E}, "[T, E]") : nullptr;
+    const bool logits_bf16 = logits && !matches(logits->dtype(), Elem::F32);
     check(!bias || p.routing.method == RoutingMethod::DeepSeekV3,
           "Layer.forward: routing_bias is only used by deepseek_v3 routing, got method ", to_string(p.routing.method));
     const float* b = bias ? static_cast<const float*>(t(*bias, "routing_bias", Elem::F32, {E}, "[E]")) : nullptr;

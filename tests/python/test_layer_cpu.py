@@ -167,6 +167,8 @@ def test_errors_name_the_argument():
         layer(np.asfortranarray(x), logits)
     with pytest.raises(fp4moe.Error, match=r"router_logits: expected shape \[T, E\] = \[4, 8\], got \[4, 7\]"):
         layer(x, logits[:, :7].copy())
+    with pytest.raises(fp4moe.Error, match="router_logits: expected dtype float32 or bfloat16 .*, got float64"):
+        layer(x, logits.astype(np.float64))
     with pytest.raises(fp4moe.Error, match="router_logits is required"):
         layer(x)
     with pytest.raises(fp4moe.Error, match="routing_bias is only used by deepseek_v3"):
