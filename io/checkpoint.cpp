@@ -4,14 +4,15 @@
 // (parse_checkpoint_config); (2) read model.safetensors.index.json ("weight_map") and check that
 // every shard it names is a plain relative path that exists, or, without an index, open the single
 // model.safetensors and list its tensors; (3) llama4: find whether names carry "language_model.".
-// Load layer L: (1) refuse dense / out-of-range layers and a bad expert-parallel split; (2) check the
+// Load layer L: (1) refuse dense / out-of-range layers and a bad expert- or tensor-parallel split; (2) check the
 // expert ids present under the layer's prefix against the config's expert count; (3) per local expert
 // and projection read the packed weight, the e4m3 block scales (no NaN, no sign bit), scale_2 and the
 // input scale (finite and > 0; compressed-tensors values inverted in fp32), with dtype and shape
 // checked against the config (so shapes are consistent across experts); (4) fuse gate and up into
 // w13 under one scale_2 (policy of LoadOptions); (5) read the router weight (bf16 [E, H]) and the
-// DeepSeek score-correction bias. Shards are opened lazily and only once; every error names the file
-// and the tensor.
+// DeepSeek score-correction bias; (6) with tensor parallelism keep this rank's columns of I
+// (tensor_parallel_shard). Shards are opened lazily and only once; every error names the file and the
+// tensor.
 #include <algorithm>
 #include <bit>
 #include <cmath>
@@ -28,6 +29,7 @@
 #include "fp4moe/error.hpp"
 #include "fp4moe/format.hpp"
 #include "fp4moe/safetensors.hpp"
+#include "fp4moe/weight_layout.hpp"
 
 namespace fp4moe::io {
 
@@ -321,6 +323,7 @@ MoeLayerWeights Checkpoint::load_layer(int64_t layer, const LoadOptions& options
   check(reason.empty(), ck.dir, ": layer ", layer, " is ", reason, ": it has no routed experts");
   const int64_t E = cfg.problem.num_experts, H = cfg.problem.hidden, I = cfg.problem.inter;
   const auto [begin, end] = expert_range(E, options.ep_rank, options.ep_size);
+  const auto [inter_begin, inter_end] = tensor_parallel_range(I, options.tp_rank, options.tp_size);
   const std::string prefix = ck.layer_prefix(layer);
 
   // (2) the expert ids present in the checkpoint
@@ -351,6 +354,9 @@ MoeLayerWeights Checkpoint::load_layer(int64_t layer, const LoadOptions& options
   w.expert_end = end;
   w.problem = cfg.problem;
   w.problem.num_experts = end - begin;
+  w.total_inter = I;
+  w.inter_begin = 0;
+  w.inter_end = I;
   w.allocate_experts();
 
   // (3) + (4)
@@ -429,6 +435,16 @@ MoeLayerWeights Checkpoint::load_layer(int64_t layer, const LoadOptions& options
     for (int64_t i = 0; i < E; ++i)
       check(std::isfinite(w.routing_bias[i]), ck.file_of(bname), ": tensor '", bname, "': element ", i,
             " is not finite (", w.routing_bias[i], ")");
+  }
+  if (options.tp_size > 1) {  // (6) this rank's columns of I (the whole local experts were read above)
+    TensorParallelShard shard = tensor_parallel_shard(w.problem, w.weights(), options.tp_rank, options.tp_size);
+    w.problem = shard.problem;
+    w.inter_begin = inter_begin;
+    w.inter_end = inter_end;
+    w.w13 = std::move(shard.w13);
+    w.w13_scale = std::move(shard.w13_scale);
+    w.w2 = std::move(shard.w2);
+    w.w2_scale = std::move(shard.w2_scale);
   }
   return w;
 }

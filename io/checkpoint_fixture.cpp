@@ -212,6 +212,8 @@ Fixture write_fixture(const std::string& dir, const FixtureOptions& o) {
     w.total_experts = E;
     w.expert_begin = 0;
     w.expert_end = E;
+    w.total_inter = I;
+    w.inter_end = I;
     w.problem = fx.config.problem;
     w.allocate_experts();
     const bool mixtral = o.family == ModelFamily::Mixtral;

@@ -40,4 +40,64 @@ CanonicalExpertWeights canonical_expert_weights(const MoeProblem& p, const refer
   return c;
 }
 
+std::pair<int64_t, int64_t> tensor_parallel_range(int64_t inter, int rank, int size) {
+  check(size >= 1, "tensor parallelism: tp_size must be >= 1, got ", size);
+  check(rank >= 0 && rank < size, "tensor parallelism: tp_rank must be in [0, ", size, "), got ", rank);
+  check(inter > 0 && inter % (16 * int64_t(size)) == 0, "tensor parallelism: the intermediate size I = ", inter,
+        " must be a multiple of 16 * tp_size = ", 16 * int64_t(size),
+        " (each rank holds whole 16-element scale blocks of w2)");
+  const int64_t part = inter / size;
+  return {rank * part, (rank + 1) * part};
+}
+
+TensorParallelShard tensor_parallel_shard(const MoeProblem& p, const reference::MoeWeights& w, int rank, int size) {
+  // NOTE: shapes only, not p.validate(): an expert-parallel rank's problem (local E, routing over the
+  // whole layer's experts) is not a valid problem on its own, and is sharded all the same.
+  check(p.num_experts >= 1 && p.hidden >= 16 && p.hidden % 16 == 0, "tensor_parallel_shard: needs E >= 1 and H a ",
+        "multiple of 16, got E = ", p.num_experts, ", H = ", p.hidden);
+  const auto [begin, end] = tensor_parallel_range(p.inter, rank, size);
+  for (auto [ptr, name] : {std::pair<const void*, const char*>{w.w13, "w13"}, {w.w13_scale, "w13_scale"},
+                           {w.w2, "w2"}, {w.w2_scale, "w2_scale"}, {w.w13_scale_2, "w13_scale_2"},
+                           {w.w2_scale_2, "w2_scale_2"}})
+    check(ptr != nullptr, "tensor_parallel_shard: ", name, " is null");
+  if (p.act_quant != ActQuant::W4A16)
+    for (auto [ptr, name] : {std::pair<const float*, const char*>{w.w13_input_scale, "w13_input_scale"},
+                             {w.w2_input_scale, "w2_input_scale"}})
+      check(ptr != nullptr, "tensor_parallel_shard: ", name, " is null (act_quant ", to_string(p.act_quant), " needs it)");
+  const int64_t E = p.num_experts, H = p.hidden, I = p.inter, N13 = p.w13_rows(), part = end - begin;
+  TensorParallelShard s;
+  s.problem = p;
+  s.problem.inter = part;
+  s.inter_begin = begin;
+  s.inter_end = end;
+  const int64_t halves = p.gated() ? 2 : 1, rows = halves * part;
+  s.w13.resize(E * rows * (H / 2));
+  s.w13_scale.resize(E * rows * (H / 16));
+  s.w2.resize(E * H * (part / 2));
+  s.w2_scale.resize(E * H * (part / 16));
+  for (int64_t e = 0; e < E; ++e) {
+    for (int64_t half = 0; half < halves; ++half) {  // gate rows [begin, end), then up rows I + [begin, end)
+      const int64_t from = e * N13 + half * I + begin, to = e * rows + half * part;
+      std::copy_n(w.w13 + from * (H / 2), part * (H / 2), s.w13.begin() + to * (H / 2));
+      std::copy_n(w.w13_scale + from * (H / 16), part * (H / 16), s.w13_scale.begin() + to * (H / 16));
+    }
+    for (int64_t h = 0; h < H; ++h) {  // w2 row h: columns [begin, end) of I
+      const int64_t row = e * H + h;
+      std::copy_n(w.w2 + row * (I / 2) + begin / 2, part / 2, s.w2.begin() + row * (part / 2));
+      std::copy_n(w.w2_scale + row * (I / 16) + begin / 16, part / 16, s.w2_scale.begin() + row * (part / 16));
+    }
+  }
+  auto copy = [E](const float* v) { return v ? std::vector<float>(v, v + E) : std::vector<float>(E, 1.0f); };
+  s.w13_scale_2 = copy(w.w13_scale_2);
+  s.w13_input_scale = copy(w.w13_input_scale);
+  s.w2_scale_2 = copy(w.w2_scale_2);
+  s.w2_input_scale = copy(w.w2_input_scale);
+  return s;
+}
+
+reference::MoeWeights TensorParallelShard::weights() const {
+  return {w13.data(), w13_scale.data(), w13_scale_2.data(), w13_input_scale.data(),
+          w2.data(),  w2_scale.data(),  w2_scale_2.data(),  w2_input_scale.data()};
+}
+
 }  // namespace fp4moe::io

@@ -178,27 +178,28 @@ HostArray to_array(std::vector<T>&& v, std::initializer_list<size_t> shape) {
 struct HostWeights {
   reference::MoeWeights view;
 
-  HostWeights(const MoeProblem& p, const nb::dict& weights, const WeightPrepOptions& options) {
+  HostWeights(const MoeProblem& p, const nb::dict& weights, const WeightPrepOptions& options,
+              const std::string& where = "Layer: weights") {
     const int64_t E = p.num_experts, H = p.hidden, I = p.inter, N13 = p.w13_rows();
     const bool w4a4 = p.act_quant != ActQuant::W4A16;
-    const TensorCheck host{"Layer: weights", false, 0};
+    const TensorCheck host{where, false, 0};
     static const std::set<std::string> known = {"w13", "w13_scale", "w13_scale_2", "w13_input_scale",
                                                 "w2",  "w2_scale",  "w2_scale_2",  "w2_input_scale"};
     for (auto [key, value] : weights) {
       const std::string k = nb::cast<std::string>(key);
-      check(known.count(k) == 1, "Layer: weights: unknown key '", k, "' (expected w13, w13_scale, w13_scale_2, ",
+      check(known.count(k) == 1, where, ": unknown key '", k, "' (expected w13, w13_scale, w13_scale_2, ",
             "w13_input_scale, w2, w2_scale, w2_scale_2, w2_input_scale)");
     }
     auto get = [&](const char* name, bool required) -> std::optional<InArray> {
       if (!weights.contains(name)) {
-        check(!required, "Layer: weights: '", name, "' is missing",
+        check(!required, where, ": '", name, "' is missing",
               std::strstr(name, "input") ? " (act_quant " + std::string(to_string(p.act_quant)) + " needs it)" : "");
         return std::nullopt;
       }
       const nb::object value = weights[name];
       InArray a;
       if (!nb::try_cast(value, a, false))
-        throw Error(detail::concat("Layer: weights: '", name, "' is not an array (DLPack or the buffer protocol), got ",
+        throw Error(detail::concat(where, ": '", name, "' is not an array (DLPack or the buffer protocol), got ",
                                    nb::cast<std::string>(nb::str(value.type()))));
       return a;
     };
@@ -208,11 +209,11 @@ struct HostWeights {
       if (!options.scales_swizzled)
         return static_cast<const uint8_t*>(host(a, name, Elem::E4M3, {E, rows, cols / 16}, symbolic));
       const int64_t bytes = format::swizzled_scales_size(E, rows, cols / 16);
-      check(matches(a.dtype(), Elem::E4M3) && int64_t(a.size()) == bytes, "Layer: weights: ", name,
+      check(matches(a.dtype(), Elem::E4M3) && int64_t(a.size()) == bytes, where, ": ", name,
             ": scales_swizzled expects ", bytes, " float8_e4m3fn / uint8 elements (the 128x4-swizzled layout of [E, ",
             rows, ", ", cols / 16, "]), got ", a.size(), " of ", dtype_name(a.dtype()));
       host.check_layout(a, name);
-      check(a.device_type() == kDLCPU || a.device_type() == kDLCUDAHost, "Layer: weights: ", name,
+      check(a.device_type() == kDLCPU || a.device_type() == kDLCUDAHost, where, ": ", name,
             ": expected a host tensor, got ", device_name(a.device_type(), a.device_id()));
       return static_cast<const uint8_t*>(a.data());
     };
@@ -409,10 +410,13 @@ nb::dict random_case(const MoeProblem& p, int64_t num_tokens, uint64_t seed) {
 }
 
 // One MoE layer of a checkpoint directory (io::Checkpoint::load_layer).
-nb::dict load_layer(const std::string& dir, int64_t layer, int ep_rank, int ep_size, const std::string& fusion) {
+nb::dict load_layer(const std::string& dir, int64_t layer, int ep_rank, int ep_size, int tp_rank, int tp_size,
+                    const std::string& fusion) {
   io::LoadOptions options;
   options.ep_rank = ep_rank;
   options.ep_size = ep_size;
+  options.tp_rank = tp_rank;
+  options.tp_size = tp_size;
   options.fusion = io::parse_scale_fusion_policy(fusion);
   io::MoeLayerWeights w;
   {
@@ -427,6 +431,9 @@ nb::dict load_layer(const std::string& dir, int64_t layer, int ep_rank, int ep_s
   d["total_experts"] = w.total_experts;
   d["expert_begin"] = w.expert_begin;
   d["expert_end"] = w.expert_end;
+  d["total_inter"] = w.total_inter;
+  d["inter_begin"] = w.inter_begin;
+  d["inter_end"] = w.inter_end;
   d["router_weight"] = to_array(std::move(w.router_weight), {total, H});
   if (!w.routing_bias.empty()) d["routing_bias"] = to_array(std::move(w.routing_bias), {total});
   d["experts_rescaled"] = w.fusion.experts_rescaled;
@@ -435,6 +442,21 @@ nb::dict load_layer(const std::string& dir, int64_t layer, int ep_rank, int ep_s
   d["weights"] = weights_dict(p, std::move(w.w13), std::move(w.w13_scale), std::move(w.w13_scale_2),
                               std::move(w.w13_input_scale), std::move(w.w2), std::move(w.w2_scale),
                               std::move(w.w2_scale_2), std::move(w.w2_input_scale));
+  return d;
+}
+
+// The tensor-parallel shard of rank `rank` of `size` (io::tensor_parallel_shard): {problem, weights,
+// inter_begin, inter_end}.
+nb::dict tensor_parallel_shard(const MoeProblem& p, const nb::dict& weights, int rank, int size) {
+  const HostWeights host(p, weights, {}, "tensor_parallel_shard: weights");
+  io::TensorParallelShard s = io::tensor_parallel_shard(p, host.view, rank, size);
+  nb::dict d;
+  d["problem"] = s.problem;
+  d["inter_begin"] = s.inter_begin;
+  d["inter_end"] = s.inter_end;
+  d["weights"] = weights_dict(s.problem, std::move(s.w13), std::move(s.w13_scale), std::move(s.w13_scale_2),
+                              std::move(s.w13_input_scale), std::move(s.w2), std::move(s.w2_scale),
+                              std::move(s.w2_scale_2), std::move(s.w2_input_scale));
   return d;
 }
 
@@ -547,9 +569,12 @@ NB_MODULE(_fp4moe, m) {
   m.def("random_case", &random_case, "problem"_a, "num_tokens"_a, "seed"_a = 1,
         "Random NVFP4 weights and inputs for a problem (host arrays; bf16 as uint16 bits).");
   m.def("load_layer", &load_layer, "checkpoint"_a, "layer"_a, nb::kw_only(), "ep_rank"_a = 0, "ep_size"_a = 1,
-        "fusion"_a = "rescale_to_max",
+        "tp_rank"_a = 0, "tp_size"_a = 1, "fusion"_a = "rescale_to_max",
         "One MoE layer of an NVFP4 checkpoint directory in the canonical layout (host arrays).");
 
+  m.def("tensor_parallel_shard", &tensor_parallel_shard, "problem"_a, "weights"_a, "rank"_a, "size"_a,
+        "Rank `rank` of `size` of canonical weights: the intermediate columns [rank*I/size, (rank+1)*I/size) of "
+        "every expert (host arrays).");
   m.def("_write_checkpoint_fixture", &write_checkpoint_fixture, "dir"_a, "family"_a, "format"_a, "num_shards"_a = 2,
         "Tests only: a small random checkpoint in dir; returns {layer: the canonical weights it must load as}.");
 

@@ -41,6 +41,10 @@
 // the router weight and bias stay whole ([E_total, H], [E_total]) because the router scores all
 // experts: a caller routes over E_total and maps a global id g to local g - expert_begin when
 // expert_begin <= g < expert_end (tokens routed elsewhere belong to other ranks).
+//
+// Tensor parallelism: rank r of n holds the intermediate columns [r*I/n, (r+1)*I/n) of every expert
+// (io::tensor_parallel_shard, fp4moe/weight_layout.hpp); its problem has inter = I/n and the ranks'
+// outputs sum to the layer's (the caller all-reduces them). I must be a multiple of 16 n.
 #pragma once
 
 #include <cstdint>
@@ -109,6 +113,8 @@ struct MoeLayerWeights {
   int64_t layer = 0;
   int64_t total_experts = 0;     // E of the whole layer
   int64_t expert_begin = 0, expert_end = 0;  // global ids [begin, end) held here
+  int64_t total_inter = 0;                   // I of the whole layer
+  int64_t inter_begin = 0, inter_end = 0;    // tensor parallelism: columns [begin, end) of I held here
   std::vector<uint8_t> w13, w13_scale;              // [E, 2I, H/2], [E, 2I, H/16]  rows [gate; up]
   std::vector<float> w13_scale_2, w13_input_scale;  // [E]
   std::vector<uint8_t> w2, w2_scale;                // [E, H, I/2], [E, H, I/16]
@@ -133,6 +139,8 @@ struct LoadOptions {
   ScaleFusionPolicy fusion = ScaleFusionPolicy::RescaleToMax;
   int ep_rank = 0;   // expert-parallel rank
   int ep_size = 1;   // number of ranks
+  int tp_rank = 0;   // tensor-parallel rank (a slice of I; combines with expert parallelism)
+  int tp_size = 1;
 };
 
 // Random bf16 hidden states [T, H] (standard normal, splitmix64 + Box-Muller), the input of

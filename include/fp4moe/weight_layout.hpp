@@ -1,9 +1,11 @@
 // fp4moe/weight_layout.hpp — the expert weights' input layouts, brought to the canonical one of
-// DESIGN.md §3 (linear block scales, w13 rows [gate; up]) once at weight preparation. The GPU runner
-// (MoeRunner::prepare_weights) and the Python layer's CPU backend both start from it.
+// DESIGN.md §3 (linear block scales, w13 rows [gate; up]) once at weight preparation (the GPU runner's
+// MoeRunner::prepare_weights and the Python layer's CPU backend both start from it), and the
+// tensor-parallel shards of canonical weights.
 #pragma once
 
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "fp4moe/problem.hpp"
@@ -31,6 +33,32 @@ struct CanonicalExpertWeights {
 // (the messages name the tensor or option; callers prefix their own name).
 CanonicalExpertWeights canonical_expert_weights(const MoeProblem& problem, const reference::MoeWeights& weights,
                                                 const WeightPrepOptions& options);
+
+// ---- tensor parallelism ----------------------------------------------------------------------------
+// Rank r of n holds the intermediate columns [r*I/n, (r+1)*I/n) of every expert: those rows of gate and
+// of up in w13 (relu2: of its I rows), those columns of w2, and their block scales; the per-expert
+// scales (scale_2, input scales) stay whole. I must be a multiple of 16 n, so that no e4m3 block of w2
+// (16 along I) and no block of the re-quantized activation (w4a4) straddles two ranks: a rank's layer
+// is then a plain MoE layer with I/n, its GEMM2 input is the whole layer's restricted to its columns
+// (bit for bit), and the sum of the ranks' outputs is the whole layer's output up to fp32 summation
+// order and the bf16 rounding of each rank's partial output (the caller all-reduces them).
+
+// [begin, end) of I held by rank `rank` of `size`. Throws fp4moe::Error naming the bad value.
+std::pair<int64_t, int64_t> tensor_parallel_range(int64_t inter, int rank, int size);
+
+// The expert weights of one tensor-parallel rank, owned.
+struct TensorParallelShard {
+  MoeProblem problem;              // the whole problem with inter = I / size
+  int64_t inter_begin = 0, inter_end = 0;
+  std::vector<uint8_t> w13, w13_scale;  // [E, w13_rows/size, H/2], [E, w13_rows/size, H/16]  rows [gate; up]
+  std::vector<uint8_t> w2, w2_scale;    // [E, H, I/size/2], [E, H, I/size/16]
+  std::vector<float> w13_scale_2, w13_input_scale, w2_scale_2, w2_input_scale;  // [E], as given (1.0 when absent)
+  reference::MoeWeights weights() const;  // views into this object
+};
+
+// Canonical weights of `problem` -> rank `rank` of `size` (size 1: a copy).
+TensorParallelShard tensor_parallel_shard(const MoeProblem& problem, const reference::MoeWeights& weights, int rank,
+                                          int size);
 
 }  // namespace io
 }  // namespace fp4moe

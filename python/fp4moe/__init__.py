@@ -21,7 +21,7 @@ from . import _fp4moe
 from ._fp4moe import Error, Problem, __version__, cuda_device_available, preset, preset_names
 
 __all__ = ["Error", "MoeLayer", "Problem", "__version__", "cuda_device_available", "load_checkpoint_layer",
-           "preset", "preset_names", "random_case"]
+           "preset", "preset_names", "random_case", "tensor_parallel_shard"]
 
 
 # ---- frameworks: which one a tensor comes from, and how to allocate like it --------------------------
@@ -208,14 +208,27 @@ def _convert(value, framework, key=""):
     raise Error(f"fp4moe: framework must be 'numpy' or 'torch', got '{framework}'")
 
 
-def load_checkpoint_layer(checkpoint, layer, *, ep_rank=0, ep_size=1, fusion="rescale_to_max", framework="numpy"):
+def load_checkpoint_layer(checkpoint, layer, *, ep_rank=0, ep_size=1, tp_rank=0, tp_size=1, fusion="rescale_to_max",
+                          framework="numpy"):
     """One MoE layer of an NVFP4 checkpoint directory (ModelOpt or compressed-tensors): a dict with
     "problem" (Problem), "weights" (host arrays for MoeLayer; block scales as uint8 e4m3 bits),
     "router_weight" [E_total, H] (bf16; uint16 bits in NumPy), "routing_bias" [E_total] when the
-    model has one, "expert_begin" / "expert_end" (this expert-parallel rank's global ids) and the
-    w1/w3 scale-fusion report. `framework`: "numpy" or "torch" (CPU tensors)."""
-    return _convert(_fp4moe.load_layer(str(checkpoint), layer, ep_rank=ep_rank, ep_size=ep_size, fusion=fusion),
-                    framework)
+    model has one, "expert_begin" / "expert_end" (this expert-parallel rank's global ids),
+    "inter_begin" / "inter_end" of "total_inter" (this tensor-parallel rank's columns of I; see
+    tensor_parallel_shard) and the w1/w3 scale-fusion report. `framework`: "numpy" or "torch" (CPU tensors)."""
+    return _convert(_fp4moe.load_layer(str(checkpoint), layer, ep_rank=ep_rank, ep_size=ep_size, tp_rank=tp_rank,
+                                       tp_size=tp_size, fusion=fusion), framework)
+
+
+def tensor_parallel_shard(problem, weights, rank, size, framework="numpy"):
+    """Tensor parallelism: rank `rank` of `size` keeps the intermediate columns [rank*I/size,
+    (rank+1)*I/size) of every expert (I must be a multiple of 16 size). Returns {"problem" (inter =
+    I/size), "weights", "inter_begin", "inter_end"}. Each rank's layer is a plain MoE layer; the sum
+    of the ranks' outputs is the whole layer's output, up to fp32 summation order and the bf16
+    rounding of each rank's partial output (fp4moe.torch_ops.FusedMoE all-reduces it when given a
+    process group)."""
+    host = {name: _to_host(name, value) for name, value in dict(weights).items()}
+    return _convert(_fp4moe.tensor_parallel_shard(problem, host, rank, size), framework)
 
 
 def random_case(problem, num_tokens, seed=1, framework="numpy"):

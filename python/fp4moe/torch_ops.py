@@ -67,11 +67,16 @@ def _(layer, hidden_states, topk_ids, topk_weights):
 
 
 class FusedMoE(torch.nn.Module):
-    """An NVFP4 MoE layer as a torch module (weights prepared once; see fp4moe.MoeLayer)."""
+    """An NVFP4 MoE layer as a torch module (weights prepared once; see fp4moe.MoeLayer).
+
+    Tensor parallelism: give each rank its shard (fp4moe.tensor_parallel_shard, or
+    fp4moe.load_checkpoint_layer(..., tp_rank=, tp_size=)) and the ranks' `process_group`: the output
+    is then all-reduced (sum) over it with torch.distributed, in bf16."""
 
     def __init__(self, problem, weights, *, device="cuda", max_tokens=8192, scales_swizzled=False,
-                 w13_up_gate=False):
+                 w13_up_gate=False, process_group=None):
         super().__init__()
+        self.process_group = process_group
         self.layer = MoeLayer(problem, weights, device=device, max_tokens=max_tokens,
                               scales_swizzled=scales_swizzled, w13_up_gate=w13_up_gate)
         # NOTE: plain Python values only in forward, so that torch.compile traces it without a graph break.
@@ -88,8 +93,11 @@ class FusedMoE(torch.nn.Module):
             if topk_ids is None or topk_weights is None:
                 raise Error("FusedMoE: routing method precomputed needs topk_ids and topk_weights")
             output = torch.ops.fp4moe.moe_forward_routed(self.handle, hidden_states, topk_ids, topk_weights)
-            return (output, topk_ids, topk_weights) if return_routing else output
-        output, ids, weights = torch.ops.fp4moe.moe_forward(self.handle, hidden_states, router_logits, routing_bias)
+            ids, weights = topk_ids, topk_weights
+        else:
+            output, ids, weights = torch.ops.fp4moe.moe_forward(self.handle, hidden_states, router_logits, routing_bias)
+        if self.process_group is not None:
+            torch.distributed.all_reduce(output, group=self.process_group)
         return (output, ids, weights) if return_routing else output
 
     def extra_repr(self):

@@ -15,6 +15,7 @@
 #include "fp4moe/format.hpp"
 #include "fp4moe/reference.hpp"
 #include "fp4moe/safetensors.hpp"
+#include "fp4moe/weight_layout.hpp"
 #include "test_dir.hpp"
 
 namespace fp4moe::io {
@@ -475,6 +476,40 @@ TEST(CheckpointEp, SlicesAreContiguousExpertRanges) {
     EXPECT_THROW(s.to_case(random_hidden_states(1, H, 1), 1), Error);
   }
   EXPECT_EQ(covered, 8);
+}
+
+TEST(CheckpointTp, RanksHoldTheirColumnsOfTheIntermediateSize) {
+  const std::string dir = sharded_fixture("tp");
+  const Checkpoint ck = Checkpoint::open(dir);
+  const MoeLayerWeights full = ck.load_layer(1);
+  for (int r = 0; r < 2; ++r) {
+    LoadOptions lo;
+    lo.tp_rank = r;
+    lo.tp_size = 2;
+    lo.ep_rank = 1;  // combined with expert parallelism: experts [4, 8) of 8
+    lo.ep_size = 2;
+    const MoeLayerWeights s = ck.load_layer(1, lo);
+    EXPECT_EQ(s.total_inter, full.problem.inter);
+    EXPECT_EQ(s.inter_begin, r * full.problem.inter / 2);
+    EXPECT_EQ(s.inter_end, (r + 1) * full.problem.inter / 2);
+    EXPECT_EQ(s.problem.inter, full.problem.inter / 2);
+    EXPECT_EQ(s.problem.num_experts, 4);
+    // The same bytes as the shard of the whole layer's experts [4, 8).
+    MoeProblem local = full.problem;
+    local.num_experts = 8;
+    const TensorParallelShard want = tensor_parallel_shard(local, full.weights(), r, 2);
+    const int64_t H = full.problem.hidden, half = full.problem.inter / 2;
+    const int64_t w13e = 2 * half * H / 2, s13e = 2 * half * H / 16, w2e = H * half / 2, s2e = H * half / 16;
+    EXPECT_EQ(s.w13, std::vector<uint8_t>(want.w13.begin() + 4 * w13e, want.w13.end()));
+    EXPECT_EQ(s.w13_scale, std::vector<uint8_t>(want.w13_scale.begin() + 4 * s13e, want.w13_scale.end()));
+    EXPECT_EQ(s.w2, std::vector<uint8_t>(want.w2.begin() + 4 * w2e, want.w2.end()));
+    EXPECT_EQ(s.w2_scale, std::vector<uint8_t>(want.w2_scale.begin() + 4 * s2e, want.w2_scale.end()));
+    EXPECT_EQ(s.w13_scale_2, std::vector<float>(full.w13_scale_2.begin() + 4, full.w13_scale_2.end()));
+  }
+  LoadOptions bad;
+  bad.tp_size = 3;
+  EXPECT_THAT([&] { ck.load_layer(1, bad); },
+              ::testing::ThrowsMessage<Error>(HasSubstr("must be a multiple of 16 * tp_size = 48")));
 }
 
 TEST(Checkpoint, RouterLogitsAreTheFp32DotProductOfTheBf16Values) {

@@ -1,14 +1,17 @@
 // tests/io/weight_layout_test.cpp — canonical_expert_weights: swizzled scales and [up; gate] rows come
-// back bit for bit in the canonical layout; bad options are errors that say why.
+// back bit for bit in the canonical layout; bad options are errors that say why. Tensor-parallel shards:
+// each rank is a plain layer whose outputs sum to the whole layer's.
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <vector>
 
 #include "error_message.hpp"
 #include "fp4moe/case_file.hpp"
 #include "fp4moe/format.hpp"
 #include "fp4moe/presets.hpp"
+#include "fp4moe/reference.hpp"
 #include "fp4moe/weight_layout.hpp"
 
 namespace fp4moe {
@@ -63,6 +66,86 @@ TEST(WeightLayout, ErrorsNameTheTensorOrOption) {
   p.activation.kind = Activation::Relu2;  // w13 then has I rows: the case's first half serves
   expect_error([&] { io::canonical_expert_weights(p, c.weights(), {.w13_up_gate = true}); },
                "w13_up_gate needs a gated activation");
+}
+
+}  // namespace
+}  // namespace fp4moe
+
+// ---- tensor parallelism ------------------------------------------------------------------------------
+namespace fp4moe {
+namespace {
+
+TEST(TensorParallel, RangesSplitTheIntermediateSizeInWholeScaleBlocks) {
+  EXPECT_EQ(io::tensor_parallel_range(2048, 0, 8), std::make_pair(int64_t(0), int64_t(256)));
+  EXPECT_EQ(io::tensor_parallel_range(2048, 7, 8), std::make_pair(int64_t(1792), int64_t(2048)));
+  EXPECT_EQ(io::tensor_parallel_range(96, 0, 1), std::make_pair(int64_t(0), int64_t(96)));
+  expect_error([] { io::tensor_parallel_range(2880, 0, 8); }, "I = 2880 must be a multiple of 16 * tp_size = 128");
+  expect_error([] { io::tensor_parallel_range(2048, 2, 2); }, "tp_rank must be in [0, 2), got 2");
+  expect_error([] { io::tensor_parallel_range(2048, 0, 0); }, "tp_size must be >= 1, got 0");
+}
+
+struct TpCase {
+  ActQuant mode;
+  Activation activation;
+  int size;
+};
+
+class TensorParallelLayer : public ::testing::TestWithParam<TpCase> {};
+
+// Each rank's layer is a plain MoE layer with I / size: its GEMM2 input is the whole layer's restricted
+// to its columns, bit for bit; its y sums to the whole y up to fp32 order; its bf16 outputs sum to the
+// whole output up to the rounding of each partial.
+TEST_P(TensorParallelLayer, RanksSumToTheWholeLayer) {
+  const TpCase tc = GetParam();
+  MoeProblem p = preset("tiny", tc.mode);
+  p.activation.kind = tc.activation;
+  const int64_t T = 19, H = p.hidden, I = p.inter, k = p.top_k();
+  const io::MoeCase c = io::make_random_packed_case(p, T, 40 + tc.size);
+  reference::MoeTrace whole;
+  const reference::MoeResult full = reference::moe_forward(p, T, c.hidden_states.data(), c.router(), c.weights(), &whole);
+  std::vector<double> y_sum(T * k * H, 0.0), out_sum(T * H, 0.0), y_abs(T * k * H, 0.0);
+  for (int r = 0; r < tc.size; ++r) {
+    const io::TensorParallelShard s = io::tensor_parallel_shard(p, c.weights(), r, tc.size);
+    ASSERT_EQ(s.problem.inter, I / tc.size);
+    reference::MoeTrace part;
+    const reference::MoeResult out =
+        reference::moe_forward(s.problem, T, c.hidden_states.data(), c.router(), s.weights(), &part);
+    EXPECT_EQ(out.topk_ids, full.topk_ids);
+    for (int64_t row = 0; row < T * k; ++row)
+      for (int64_t i = 0; i < I / tc.size; ++i)
+        ASSERT_EQ(part.act_out[row * (I / tc.size) + i], whole.act_out[row * I + s.inter_begin + i])
+            << "rank " << r << " row " << row << " column " << i;
+    for (size_t i = 0; i < y_sum.size(); ++i) {
+      y_sum[i] += part.gemm2_out[i];
+      y_abs[i] += std::fabs(part.gemm2_out[i]);
+    }
+    for (size_t i = 0; i < out_sum.size(); ++i) out_sum[i] += format::bf16_to_float(out.output[i]);
+  }
+  for (size_t i = 0; i < y_sum.size(); ++i)
+    ASSERT_NEAR(y_sum[i], whole.gemm2_out[i], 1e-6 * y_abs[i] + 1e-30) << "y element " << i;
+  double num = 0, den = 0;
+  for (size_t i = 0; i < out_sum.size(); ++i) {
+    const double want = format::bf16_to_float(full.output[i]);
+    num += (out_sum[i] - want) * (out_sum[i] - want);
+    den += want * want;
+  }
+  EXPECT_LT(std::sqrt(num / den), 5e-3);  // each rank's partial output is rounded to bf16 once
+}
+
+INSTANTIATE_TEST_SUITE_P(Modes, TensorParallelLayer,
+                         ::testing::Values(TpCase{ActQuant::W4A16, Activation::SwiGLU, 2},
+                                           TpCase{ActQuant::W4A4Scalar, Activation::SwiGLU, 4},
+                                           TpCase{ActQuant::W4A4PerExpert, Activation::SwiGLUOai, 2},
+                                           TpCase{ActQuant::W4A4Scalar, Activation::Relu2, 8},
+                                           TpCase{ActQuant::W4A16, Activation::GeGLU, 1}));
+
+TEST(TensorParallel, ShardErrorsNameTheTensor) {
+  const MoeProblem p = preset("tiny", ActQuant::W4A4Scalar);
+  const io::MoeCase c = io::make_random_packed_case(p, 1, 3);
+  reference::MoeWeights w = c.weights();
+  w.w2_input_scale = nullptr;
+  expect_error([&] { io::tensor_parallel_shard(p, w, 0, 2); }, "w2_input_scale is null (act_quant w4a4_scalar needs it)");
+  expect_error([&] { io::tensor_parallel_shard(p, c.weights(), 0, 3); }, "must be a multiple of 16 * tp_size = 48");
 }
 
 }  // namespace

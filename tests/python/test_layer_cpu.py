@@ -219,6 +219,46 @@ def test_load_checkpoint_layer(tmp_path, family, fmt):
     np.testing.assert_array_equal(half["weights"]["w2"], np.asarray(expected[layer]["w2"])[total // 2:])
 
 
+@pytest.mark.parametrize("act_quant,size", [("w4a16", 2), ("w4a4_scalar", 4)])
+def test_tensor_parallel_shards_sum_to_the_layer(act_quant, size):
+    problem = fp4moe.preset("tiny", act_quant=act_quant)
+    case = fp4moe.random_case(problem, 13, seed=21)
+    w, inter = case["weights"], problem.inter
+    full, ids, _ = fp4moe.MoeLayer(problem, w, device="cpu", max_tokens=16)(case["hidden_states"], case["router_logits"])
+    total = np.zeros(full.shape)
+    part = inter // size
+    for rank in range(size):
+        shard = fp4moe.tensor_parallel_shard(problem, w, rank, size)
+        assert shard["problem"].inter == part and (shard["inter_begin"], shard["inter_end"]) == (rank * part, (rank + 1) * part)
+        cols = slice(rank * part, (rank + 1) * part)
+        rows = np.r_[cols, inter + rank * part:inter + (rank + 1) * part]  # gate rows, then up rows
+        sw = shard["weights"]
+        np.testing.assert_array_equal(sw["w13"], w["w13"][:, rows])
+        np.testing.assert_array_equal(sw["w13_scale"], w["w13_scale"][:, rows])
+        np.testing.assert_array_equal(sw["w2"], w["w2"][:, :, rank * part // 2:(rank + 1) * part // 2])
+        np.testing.assert_array_equal(sw["w2_scale"], w["w2_scale"][:, :, rank * part // 16:(rank + 1) * part // 16])
+        np.testing.assert_array_equal(sw["w2_input_scale"], w["w2_input_scale"])
+        out, shard_ids, _ = fp4moe.MoeLayer(shard["problem"], sw, device="cpu", max_tokens=16)(
+            case["hidden_states"], case["router_logits"])
+        np.testing.assert_array_equal(shard_ids, ids)
+        total += bf16_bits_to_float(out)
+    ref = bf16_bits_to_float(full)
+    assert np.linalg.norm(total - ref) <= 5e-3 * np.linalg.norm(ref)  # each partial is rounded to bf16 once
+    with pytest.raises(fp4moe.Error, match="must be a multiple of 16 \\* tp_size = 48"):
+        fp4moe.tensor_parallel_shard(problem, w, 0, 3)
+
+
+def test_load_checkpoint_layer_tensor_parallel(tmp_path):
+    fp4moe._fp4moe._write_checkpoint_fixture(str(tmp_path), "qwen3_moe", "modelopt")
+    full = fp4moe.load_checkpoint_layer(tmp_path, 1)
+    for rank in range(2):
+        got = fp4moe.load_checkpoint_layer(tmp_path, 1, tp_rank=rank, tp_size=2)
+        want = fp4moe.tensor_parallel_shard(full["problem"], full["weights"], rank, 2)
+        assert got["total_inter"] == full["problem"].inter and got["inter_begin"] == want["inter_begin"]
+        for name in want["weights"]:
+            np.testing.assert_array_equal(got["weights"][name], want["weights"][name], err_msg=name)
+
+
 def test_load_checkpoint_layer_errors_name_the_path(tmp_path):
     with pytest.raises(fp4moe.Error, match=str(tmp_path / "missing")):
         fp4moe.load_checkpoint_layer(tmp_path / "missing", 0)

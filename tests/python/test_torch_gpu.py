@@ -136,3 +136,27 @@ def test_device_mismatch_errors():
     with pytest.raises(fp4moe.Error, match="exceeds the layer's max_tokens"):
         big = to_device(fp4moe.random_case(problem, 9, seed=10, framework="torch"))
         gpu(big["hidden_states"], big["router_logits"])
+
+
+def test_tensor_parallel_shards_on_the_gpu(tmp_path):
+    """Two tensor-parallel shards run on one GPU sum to the whole layer; FusedMoE all-reduces its
+    output over a process group (NCCL, one rank here: the 2-GPU run is a separate check)."""
+    problem = PROBLEMS["deepseek_v3-groups"]
+    case = fp4moe.random_case(problem, 37, seed=13, framework="torch")
+    inputs = to_device(case)
+    args = (inputs["hidden_states"], inputs["router_logits"], inputs["routing_bias"])
+    whole = FusedMoE(problem, case["weights"], device=DEVICE, max_tokens=64)(*args)
+    total = torch.zeros_like(whole, dtype=torch.float32)
+    for rank in range(2):
+        shard = fp4moe.tensor_parallel_shard(problem, case["weights"], rank, 2, framework="torch")
+        total += FusedMoE(shard["problem"], shard["weights"], device=DEVICE, max_tokens=64)(*args).float()
+    assert torch.linalg.norm(total - whole.float()) <= 5e-3 * torch.linalg.norm(whole.float())
+
+    import torch.distributed as dist
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'pg'}", world_size=1, rank=0,
+                            device_id=torch.device(DEVICE))
+    try:
+        reduced = FusedMoE(problem, case["weights"], device=DEVICE, max_tokens=64, process_group=dist.group.WORLD)
+        assert torch.equal(reduced(*args), whole)
+    finally:
+        dist.destroy_process_group()
