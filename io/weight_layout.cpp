@@ -43,11 +43,13 @@ CanonicalExpertWeights canonical_expert_weights(const MoeProblem& p, const refer
 std::pair<int64_t, int64_t> tensor_parallel_range(int64_t inter, int rank, int size) {
   check(size >= 1, "tensor parallelism: tp_size must be >= 1, got ", size);
   check(rank >= 0 && rank < size, "tensor parallelism: tp_rank must be in [0, ", size, "), got ", rank);
-  check(inter > 0 && inter % (16 * int64_t(size)) == 0, "tensor parallelism: the intermediate size I = ", inter,
-        " must be a multiple of 16 * tp_size = ", 16 * int64_t(size),
-        " (each rank holds whole 16-element scale blocks of w2)");
-  const int64_t part = inter / size;
-  return {rank * part, (rank + 1) * part};
+  const int64_t blocks = inter / 16;  // whole 16-column scale blocks of w2
+  check(inter > 0 && inter % 16 == 0 && blocks >= size, "tensor parallelism: the intermediate size I = ", inter,
+        " must be a multiple of 16 with at least tp_size = ", size, " blocks of 16 (each rank holds whole 16-column ",
+        "scale blocks of w2)");
+  const int64_t base = blocks / size, rem = blocks % size;  // the first rem ranks hold one more block
+  const int64_t begin = rank * base + std::min<int64_t>(rank, rem);
+  return {16 * begin, 16 * (begin + base + (rank < rem ? 1 : 0))};
 }
 
 TensorParallelShard tensor_parallel_shard(const MoeProblem& p, const reference::MoeWeights& w, int rank, int size) {

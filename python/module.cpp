@@ -573,8 +573,8 @@ NB_MODULE(_fp4moe, m) {
         "One MoE layer of an NVFP4 checkpoint directory in the canonical layout (host arrays).");
 
   m.def("tensor_parallel_shard", &tensor_parallel_shard, "problem"_a, "weights"_a, "rank"_a, "size"_a,
-        "Rank `rank` of `size` of canonical weights: the intermediate columns [rank*I/size, (rank+1)*I/size) of "
-        "every expert (host arrays).");
+        "Rank `rank` of `size` of canonical weights: its share of the intermediate columns of every expert, in "
+        "whole 16-column blocks (host arrays).");
   m.def("_write_checkpoint_fixture", &write_checkpoint_fixture, "dir"_a, "family"_a, "format"_a, "num_shards"_a = 2,
         "Tests only: a small random checkpoint in dir; returns {layer: the canonical weights it must load as}.");
 

@@ -42,9 +42,10 @@
 // experts: a caller routes over E_total and maps a global id g to local g - expert_begin when
 // expert_begin <= g < expert_end (tokens routed elsewhere belong to other ranks).
 //
-// Tensor parallelism: rank r of n holds the intermediate columns [r*I/n, (r+1)*I/n) of every expert
-// (io::tensor_parallel_shard, fp4moe/weight_layout.hpp); its problem has inter = I/n and the ranks'
-// outputs sum to the layer's (the caller all-reduces them). I must be a multiple of 16 n.
+// Tensor parallelism: rank r of n holds a contiguous range of whole 16-column blocks of the intermediate
+// size I of every expert (io::tensor_parallel_range / tensor_parallel_shard, fp4moe/weight_layout.hpp);
+// its problem has inter = its share of I and the ranks' outputs sum to the layer's (the caller
+// all-reduces them). I / 16 must be >= n.
 #pragma once
 
 #include <cstdint>

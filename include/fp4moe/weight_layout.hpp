@@ -35,23 +35,26 @@ CanonicalExpertWeights canonical_expert_weights(const MoeProblem& problem, const
                                                 const WeightPrepOptions& options);
 
 // ---- tensor parallelism ----------------------------------------------------------------------------
-// Rank r of n holds the intermediate columns [r*I/n, (r+1)*I/n) of every expert: those rows of gate and
-// of up in w13 (relu2: of its I rows), those columns of w2, and their block scales; the per-expert
-// scales (scale_2, input scales) stay whole. I must be a multiple of 16 n, so that no e4m3 block of w2
-// (16 along I) and no block of the re-quantized activation (w4a4) straddles two ranks: a rank's layer
-// is then a plain MoE layer with I/n, its GEMM2 input is the whole layer's restricted to its columns
-// (bit for bit), and the sum of the ranks' outputs is the whole layer's output up to fp32 summation
-// order and the bf16 rounding of each rank's partial output (the caller all-reduces them).
+// Rank r of n holds a contiguous range of whole 16-column blocks of the intermediate size I of every
+// expert (the I/16 blocks split as evenly as they go, the first ranks one more: I = 2880 over 8 ranks is
+// 368 columns on ranks 0-3 and 352 on 4-7): those rows of gate and of up in w13 (relu2: of its I rows),
+// those columns of w2, and their block scales; the per-expert scales (scale_2, input scales) stay whole.
+// No e4m3 block of w2 (16 along I) and no block of the re-quantized activation (w4a4) straddles two
+// ranks, so a rank's layer is a plain MoE layer with its share of I, its GEMM2 input is the whole
+// layer's restricted to its columns (bit for bit), and the sum of the ranks' outputs is the whole
+// layer's output up to fp32 summation order and the bf16 rounding of each rank's partial output (the
+// caller all-reduces them).
 
-// [begin, end) of I held by rank `rank` of `size`. Throws fp4moe::Error naming the bad value.
+// [begin, end) of I held by rank `rank` of `size`; needs I / 16 >= size. Throws fp4moe::Error naming
+// the bad value.
 std::pair<int64_t, int64_t> tensor_parallel_range(int64_t inter, int rank, int size);
 
 // The expert weights of one tensor-parallel rank, owned.
 struct TensorParallelShard {
-  MoeProblem problem;              // the whole problem with inter = I / size
+  MoeProblem problem;              // the whole problem with inter = this rank's share of I
   int64_t inter_begin = 0, inter_end = 0;
-  std::vector<uint8_t> w13, w13_scale;  // [E, w13_rows/size, H/2], [E, w13_rows/size, H/16]  rows [gate; up]
-  std::vector<uint8_t> w2, w2_scale;    // [E, H, I/size/2], [E, H, I/size/16]
+  std::vector<uint8_t> w13, w13_scale;  // [E, 2 I_r, H/2], [E, 2 I_r, H/16]  rows [gate; up] (relu2: I_r rows)
+  std::vector<uint8_t> w2, w2_scale;    // [E, H, I_r/2], [E, H, I_r/16]      I_r = inter_end - inter_begin
   std::vector<float> w13_scale_2, w13_input_scale, w2_scale_2, w2_input_scale;  // [E], as given (1.0 when absent)
   reference::MoeWeights weights() const;  // views into this object
 };

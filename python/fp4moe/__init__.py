@@ -221,9 +221,10 @@ def load_checkpoint_layer(checkpoint, layer, *, ep_rank=0, ep_size=1, tp_rank=0,
 
 
 def tensor_parallel_shard(problem, weights, rank, size, framework="numpy"):
-    """Tensor parallelism: rank `rank` of `size` keeps the intermediate columns [rank*I/size,
-    (rank+1)*I/size) of every expert (I must be a multiple of 16 size). Returns {"problem" (inter =
-    I/size), "weights", "inter_begin", "inter_end"}. Each rank's layer is a plain MoE layer; the sum
+    """Tensor parallelism: rank `rank` of `size` keeps a contiguous share of the intermediate columns of
+    every expert, in whole 16-column blocks (I/16 >= size; the first ranks hold one block more when
+    they do not divide evenly). Returns {"problem" (inter = the share), "weights", "inter_begin",
+    "inter_end"}. Each rank's layer is a plain MoE layer; the sum
     of the ranks' outputs is the whole layer's output, up to fp32 summation order and the bf16
     rounding of each rank's partial output (fp4moe.torch_ops.FusedMoE all-reduces it when given a
     process group)."""

@@ -79,7 +79,13 @@ TEST(TensorParallel, RangesSplitTheIntermediateSizeInWholeScaleBlocks) {
   EXPECT_EQ(io::tensor_parallel_range(2048, 0, 8), std::make_pair(int64_t(0), int64_t(256)));
   EXPECT_EQ(io::tensor_parallel_range(2048, 7, 8), std::make_pair(int64_t(1792), int64_t(2048)));
   EXPECT_EQ(io::tensor_parallel_range(96, 0, 1), std::make_pair(int64_t(0), int64_t(96)));
-  expect_error([] { io::tensor_parallel_range(2880, 0, 8); }, "I = 2880 must be a multiple of 16 * tp_size = 128");
+  // gpt-oss-120b: 180 blocks over 8 ranks, the first 4 hold 23.
+  EXPECT_EQ(io::tensor_parallel_range(2880, 0, 8), std::make_pair(int64_t(0), int64_t(368)));
+  EXPECT_EQ(io::tensor_parallel_range(2880, 3, 8), std::make_pair(int64_t(1104), int64_t(1472)));
+  EXPECT_EQ(io::tensor_parallel_range(2880, 4, 8), std::make_pair(int64_t(1472), int64_t(1824)));
+  EXPECT_EQ(io::tensor_parallel_range(2880, 7, 8), std::make_pair(int64_t(2528), int64_t(2880)));
+  expect_error([] { io::tensor_parallel_range(32, 0, 3); }, "I = 32 must be a multiple of 16 with at least tp_size = 3 blocks");
+  expect_error([] { io::tensor_parallel_range(40, 0, 2); }, "I = 40 must be a multiple of 16");
   expect_error([] { io::tensor_parallel_range(2048, 2, 2); }, "tp_rank must be in [0, 2), got 2");
   expect_error([] { io::tensor_parallel_range(2048, 0, 0); }, "tp_size must be >= 1, got 0");
 }
@@ -92,7 +98,7 @@ struct TpCase {
 
 class TensorParallelLayer : public ::testing::TestWithParam<TpCase> {};
 
-// Each rank's layer is a plain MoE layer with I / size: its GEMM2 input is the whole layer's restricted
+// Each rank's layer is a plain MoE layer with its share of I: its GEMM2 input is the whole layer's restricted
 // to its columns, bit for bit; its y sums to the whole y up to fp32 order; its bf16 outputs sum to the
 // whole output up to the rounding of each partial.
 TEST_P(TensorParallelLayer, RanksSumToTheWholeLayer) {
@@ -106,18 +112,19 @@ TEST_P(TensorParallelLayer, RanksSumToTheWholeLayer) {
   std::vector<double> y_sum(T * k * H, 0.0), out_sum(T * H, 0.0), y_abs(T * k * H, 0.0);
   for (int r = 0; r < tc.size; ++r) {
     const io::TensorParallelShard s = io::tensor_parallel_shard(p, c.weights(), r, tc.size);
-    ASSERT_EQ(s.problem.inter, I / tc.size);
-    reference::MoeTrace part;
+    const int64_t part = s.inter_end - s.inter_begin;
+    ASSERT_EQ(s.problem.inter, part);
+    reference::MoeTrace trace;
     const reference::MoeResult out =
-        reference::moe_forward(s.problem, T, c.hidden_states.data(), c.router(), s.weights(), &part);
+        reference::moe_forward(s.problem, T, c.hidden_states.data(), c.router(), s.weights(), &trace);
     EXPECT_EQ(out.topk_ids, full.topk_ids);
     for (int64_t row = 0; row < T * k; ++row)
-      for (int64_t i = 0; i < I / tc.size; ++i)
-        ASSERT_EQ(part.act_out[row * (I / tc.size) + i], whole.act_out[row * I + s.inter_begin + i])
+      for (int64_t i = 0; i < part; ++i)
+        ASSERT_EQ(trace.act_out[row * part + i], whole.act_out[row * I + s.inter_begin + i])
             << "rank " << r << " row " << row << " column " << i;
     for (size_t i = 0; i < y_sum.size(); ++i) {
-      y_sum[i] += part.gemm2_out[i];
-      y_abs[i] += std::fabs(part.gemm2_out[i]);
+      y_sum[i] += trace.gemm2_out[i];
+      y_abs[i] += std::fabs(trace.gemm2_out[i]);
     }
     for (size_t i = 0; i < out_sum.size(); ++i) out_sum[i] += format::bf16_to_float(out.output[i]);
   }
@@ -135,6 +142,7 @@ TEST_P(TensorParallelLayer, RanksSumToTheWholeLayer) {
 INSTANTIATE_TEST_SUITE_P(Modes, TensorParallelLayer,
                          ::testing::Values(TpCase{ActQuant::W4A16, Activation::SwiGLU, 2},
                                            TpCase{ActQuant::W4A4Scalar, Activation::SwiGLU, 4},
+                                           TpCase{ActQuant::W4A4Scalar, Activation::SwiGLU, 3},  // 48, 48, 32
                                            TpCase{ActQuant::W4A4PerExpert, Activation::SwiGLUOai, 2},
                                            TpCase{ActQuant::W4A4Scalar, Activation::Relu2, 8},
                                            TpCase{ActQuant::W4A16, Activation::GeGLU, 1}));
@@ -145,7 +153,7 @@ TEST(TensorParallel, ShardErrorsNameTheTensor) {
   reference::MoeWeights w = c.weights();
   w.w2_input_scale = nullptr;
   expect_error([&] { io::tensor_parallel_shard(p, w, 0, 2); }, "w2_input_scale is null (act_quant w4a4_scalar needs it)");
-  expect_error([&] { io::tensor_parallel_shard(p, c.weights(), 0, 3); }, "must be a multiple of 16 * tp_size = 48");
+  expect_error([&] { io::tensor_parallel_shard(p, c.weights(), 0, 9); }, "with at least tp_size = 9 blocks of 16");
 }
 
 }  // namespace
