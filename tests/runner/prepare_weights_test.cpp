@@ -3,13 +3,12 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
-#include <algorithm>
 #include <vector>
 
 #include "fp4moe/case_file.hpp"
-#include "fp4moe/format.hpp"
 #include "fp4moe/presets.hpp"
 #include "fp4moe/runner.hpp"
+#include "layout_fixtures.hpp"
 #include "runner/layer_buffers.hpp"
 
 namespace fp4moe {
@@ -38,23 +37,9 @@ TEST(LayerPrepare, SwizzledScalesAndUpGateRowsGiveTheSameLayer) {
   const MoeProblem p = preset("tiny", ActQuant::W4A4Scalar);
   const io::MoeCase c = io::make_random_packed_case(p, 50, 31);
   const std::vector<uint16_t> canonical = run_prepared(c, c.weights(), {});
-  const int64_t E = p.num_experts, H = p.hidden, I = p.inter, N13 = p.w13_rows();
   // The same weights with 128x4-swizzled scales and [up; gate] rows.
-  std::vector<uint8_t> w13 = c.w13, w13_scale = c.w13_scale;
-  for (int64_t e = 0; e < E; ++e) {
-    std::swap_ranges(w13.begin() + e * N13 * H / 2, w13.begin() + e * N13 * H / 2 + I * H / 2,
-                     w13.begin() + e * N13 * H / 2 + I * H / 2);
-    std::swap_ranges(w13_scale.begin() + e * N13 * H / 16, w13_scale.begin() + e * N13 * H / 16 + I * H / 16,
-                     w13_scale.begin() + e * N13 * H / 16 + I * H / 16);
-  }
-  std::vector<uint8_t> w13_swz(format::swizzled_scales_size(E, N13, H / 16));
-  std::vector<uint8_t> w2_swz(format::swizzled_scales_size(E, H, I / 16));
-  format::scales_linear_to_swizzled(w13_scale.data(), E, N13, H / 16, w13_swz.data());
-  format::scales_linear_to_swizzled(c.w2_scale.data(), E, H, I / 16, w2_swz.data());
-  reference::MoeWeights w = c.weights();
-  w.w13 = w13.data();
-  w.w13_scale = w13_swz.data();
-  w.w2_scale = w2_swz.data();
+  const test::SwizzledUpGateWeights other(c);
+  const reference::MoeWeights w = other.weights(c);
   WeightPrepOptions options;
   options.scales_swizzled = true;
   options.w13_up_gate = true;
