@@ -87,8 +87,11 @@ void MoeProblem::validate() const {
         "MoeProblem.inter (I) must be a multiple of 16 and >= 16 (the NVFP4 block size), got ", inter);
   const int k = routing.top_k;
   check(k >= 1 && k <= 32, "MoeProblem.routing.top_k (k) must be in [1, 32], got ", k);
-  check(k <= num_experts, "MoeProblem.routing.top_k (k) must be <= num_experts (E = ", num_experts,
-        "), got ", k);
+  check(k <= num_experts || routing.skip_foreign_ids, "MoeProblem.routing.top_k (k) must be <= num_experts (E = ",
+        num_experts, "), got ", k);
+  check(!routing.skip_foreign_ids || routing.method == RoutingMethod::Precomputed,
+        "MoeProblem.routing.skip_foreign_ids needs routing method precomputed (the caller maps the whole "
+        "layer's expert ids to this rank's), got ", to_string(routing.method));
 
   if (routing.method == RoutingMethod::DeepSeekV3) {
     const int ng = routing.n_group;
@@ -134,6 +137,7 @@ std::string MoeProblem::describe() const {
           << ",scale=" << routing.routed_scaling_factor;
   if (routing.apply_router_weight_on_input)
     extra << (extra.tellp() > 0 ? "," : "") << "weight_on_input";
+  if (routing.skip_foreign_ids) extra << (extra.tellp() > 0 ? "," : "") << "skip_foreign_ids";
   if (extra.tellp() > 0) os << '(' << extra.str() << ')';
   os << " act=" << to_string(activation.kind);
   if (activation.kind == Activation::SwiGLUOai)

@@ -407,6 +407,17 @@ MoeLayerWeights Checkpoint::load_layer(int64_t layer, const LoadOptions& options
     w.w2_input_scale[l] = dn.input_scale;
   }
 
+  // The whole layer's largest GEMM1 input scale (w4a4_scalar quantizes every token with it): an
+  // expert-parallel rank reads every expert's, not only its own.
+  if (cfg.problem.act_quant != ActQuant::W4A16) {
+    const char* input = cfg.format == CheckpointFormat::CompressedTensors ? ".input_global_scale" : ".input_scale";
+    const bool ct = cfg.format == CheckpointFormat::CompressedTensors;
+    for (int64_t e = 0; e < E; ++e)
+      for (const char* proj : {names.gate, names.up})
+        w.w13_input_scale_max =
+            std::max(w.w13_input_scale_max, ck.scale(experts + std::to_string(e) + "." + proj + input, ct));
+  }
+
   // (5) router and bias
   const std::string rname = ck.router_name(layer);
   const TensorView& r = ck.tensor(rname, DType::BF16, {E, H}, "[E, H] from config.json");
@@ -473,6 +484,7 @@ reference::MoeWeights MoeLayerWeights::weights() const {
   v.w2_scale = w2_scale.data();
   v.w2_scale_2 = w2_scale_2.data();
   v.w2_input_scale = w2_input_scale.data();
+  v.w13_input_scale_max = w13_input_scale_max;
   return v;
 }
 

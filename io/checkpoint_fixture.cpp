@@ -259,6 +259,8 @@ Fixture write_fixture(const std::string& dir, const FixtureOptions& o) {
       w.w2_scale_2[e] = s2;
       w.w2_input_scale[e] = id;
     }
+    if (w.problem.act_quant != ActQuant::W4A16)
+      w.w13_input_scale_max = *std::max_element(w.w13_input_scale.begin(), w.w13_input_scale.end());
     w.router_weight = to_bf16(normals(rng, E * H, 0.1f));
     wr.tensors.push_back(make_tensor(mlp + (llama4 ? ".router.weight" : ".gate.weight"), DType::BF16, {E, H},
                                      w.router_weight));

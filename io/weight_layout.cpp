@@ -94,12 +94,13 @@ TensorParallelShard tensor_parallel_shard(const MoeProblem& p, const reference::
   s.w13_input_scale = copy(w.w13_input_scale);
   s.w2_scale_2 = copy(w.w2_scale_2);
   s.w2_input_scale = copy(w.w2_input_scale);
+  s.w13_input_scale_max = w.w13_input_scale_max;
   return s;
 }
 
 reference::MoeWeights TensorParallelShard::weights() const {
   return {w13.data(), w13_scale.data(), w13_scale_2.data(), w13_input_scale.data(),
-          w2.data(),  w2_scale.data(),  w2_scale_2.data(),  w2_input_scale.data()};
+          w2.data(),  w2_scale.data(),  w2_scale_2.data(),  w2_input_scale.data(), w13_input_scale_max};
 }
 
 }  // namespace fp4moe::io

@@ -32,9 +32,10 @@ __global__ void __launch_bounds__(kThreads) finalize_kernel(const FinalizeArgs a
 #pragma unroll
   for (int q = 0; q < kCols; ++q) acc[q] = 0.0f;
   // NOTE: an out-of-range precomputed id has no GEMM row, so y[entry] was never written: the token's
-  // row becomes NaN (bad input poisons its own token only) instead of reading garbage.
+  // row becomes NaN (bad input poisons its own token only) instead of reading garbage, or, with
+  // skip_foreign_ids (expert parallelism: another rank's expert), the slot is left out of the sum.
   nvfp4::finalize_token8<8>(acc, k, t * k, a.unit_weights ? nullptr : a.topk_weights, a.topk_ids, a.num_experts,
-                         a.y + c, H);
+                            a.y + c, H, a.skip_foreign_ids);
   nvfp4::store_bf16x8(a.out + t * H + c, acc);
 }
 

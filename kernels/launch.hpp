@@ -268,7 +268,8 @@ struct FinalizeArgs {
   int hidden_size = 0;
   bool unit_weights = false;            // apply_router_weight_on_input
   const int32_t* topk_ids = nullptr;    // [T, k] or nullptr: when given, a slot whose id is outside
-  int num_experts = 0;                  //   [0, num_experts) makes its token's output row NaN
+  int num_experts = 0;                  //   [0, num_experts) makes its token's output row NaN, or
+  bool skip_foreign_ids = false;        //   with skip_foreign_ids adds nothing (another rank's expert)
   __nv_bfloat16* out = nullptr;         // [T, H]
 };
 cudaError_t launch_finalize(const FinalizeArgs& args, cudaStream_t stream);

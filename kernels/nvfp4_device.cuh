@@ -210,7 +210,8 @@ __device__ __forceinline__ void finalize_add_slot8(float (&acc)[8], float w, con
 // The k slots of one token over 8 columns: acc = acc + w_j * y[entry0 + j] for j = 0..k-1 in order
 // (finalize_add_slot8). y points at the first column in row 0; row r starts y_row_stride floats later.
 // weights == nullptr: unit weights. ids != nullptr: a slot whose id lies outside [0, num_experts) has
-// no GEMM row (its y was never written, and is not read): acc becomes NaN there.
+// no GEMM row (its y was never written, and is not read): acc becomes NaN there, or with
+// skip_foreign_ids (expert parallelism: another rank's expert) the slot adds nothing.
 // NOTE (loads first): the weights and y of up to kInFlight slots are loaded before the first add; with
 // a load and its use per slot, a thread waited for k L2 round trips in a row (SASS: each slot's loads
 // issued after the previous slot's adds), the whole time of a decode finalize. kInFlight x 8 registers
@@ -218,7 +219,7 @@ __device__ __forceinline__ void finalize_add_slot8(float (&acc)[8], float w, con
 template <int kInFlight>
 __device__ __forceinline__ void finalize_token8(float (&acc)[8], int k, int64_t entry0, const float* weights,
                                                 const int32_t* ids, int num_experts, const float* y,
-                                                int64_t y_row_stride) {
+                                                int64_t y_row_stride, bool skip_foreign_ids = false) {
   for (int j0 = 0; j0 < k; j0 += kInFlight) {
     float w[kInFlight];
     bool bad[kInFlight];
@@ -239,8 +240,10 @@ __device__ __forceinline__ void finalize_token8(float (&acc)[8], int k, int64_t 
     for (int s = 0; s < kInFlight; ++s) {
       if (j0 + s >= k) break;
       if (bad[s]) {
+        if (!skip_foreign_ids) {
 #pragma unroll
-        for (int q = 0; q < 8; ++q) acc[q] = __int_as_float(0x7fc00000);
+          for (int q = 0; q < 8; ++q) acc[q] = __int_as_float(0x7fc00000);
+        }
       } else {
         finalize_add_slot8(acc, w[s], v[s]);
       }

@@ -184,11 +184,12 @@ struct HostWeights {
     const bool w4a4 = p.act_quant != ActQuant::W4A16;
     const TensorCheck host{where, false, 0};
     static const std::set<std::string> known = {"w13", "w13_scale", "w13_scale_2", "w13_input_scale",
-                                                "w2",  "w2_scale",  "w2_scale_2",  "w2_input_scale"};
+                                                "w2",  "w2_scale",  "w2_scale_2",  "w2_input_scale",
+                                                "w13_input_scale_max"};
     for (auto [key, value] : weights) {
       const std::string k = nb::cast<std::string>(key);
       check(known.count(k) == 1, where, ": unknown key '", k, "' (expected w13, w13_scale, w13_scale_2, ",
-            "w13_input_scale, w2, w2_scale, w2_scale_2, w2_input_scale)");
+            "w13_input_scale, w2, w2_scale, w2_scale_2, w2_input_scale, w13_input_scale_max)");
     }
     auto get = [&](const char* name, bool required) -> std::optional<InArray> {
       if (!weights.contains(name)) {
@@ -229,6 +230,12 @@ struct HostWeights {
     view.w2_scale = scales("w2_scale", H, I, "[E, H, I/16]");
     view.w2_scale_2 = per_expert("w2_scale_2", true);
     view.w2_input_scale = per_expert("w2_input_scale", w4a4);
+    if (weights.contains("w13_input_scale_max")) {  // a number: the whole layer's (expert parallelism)
+      const nb::object v = weights["w13_input_scale_max"];
+      if (!nb::try_cast(v, view.w13_input_scale_max, true))
+        throw Error(detail::concat(where, ": 'w13_input_scale_max' must be a number, got ",
+                                   nb::cast<std::string>(nb::str(v.type()))));
+    }
   }
 };
 
@@ -271,6 +278,7 @@ class Layer {
     w2_scale_2_ = copy(host.view.w2_scale_2);
     w13_input_scale_ = copy(host.view.w13_input_scale);
     w2_input_scale_ = copy(host.view.w2_input_scale);
+    w13_input_scale_max_ = host.view.w13_input_scale_max;
   }
 
   const MoeProblem& problem() const { return problem_; }
@@ -350,7 +358,8 @@ class Layer {
       router.topk_weights = weights;
     }
     reference::MoeWeights w{w13_.data(), w13_scale_.data(), w13_scale_2_.data(), w13_input_scale_.data(),
-                            w2_.data(),  w2_scale_.data(),  w2_scale_2_.data(),  w2_input_scale_.data()};
+                            w2_.data(),  w2_scale_.data(),  w2_scale_2_.data(),  w2_input_scale_.data(),
+                            w13_input_scale_max_};
     reference::MoeResult r;
     {
       nb::gil_scoped_release release;
@@ -370,13 +379,14 @@ class Layer {
   std::unique_ptr<MoeRunner> runner_;  // cuda
   std::vector<uint8_t> w13_, w13_scale_, w2_, w2_scale_;  // cpu: canonical layout
   std::vector<float> w13_scale_2_, w13_input_scale_, w2_scale_2_, w2_input_scale_;
+  float w13_input_scale_max_ = 0.0f;
 };
 
 // ---- host data out --------------------------------------------------------------------------------
 nb::dict weights_dict(const MoeProblem& p, std::vector<uint8_t>&& w13, std::vector<uint8_t>&& w13_scale,
                       std::vector<float>&& w13_scale_2, std::vector<float>&& w13_input_scale,
                       std::vector<uint8_t>&& w2, std::vector<uint8_t>&& w2_scale, std::vector<float>&& w2_scale_2,
-                      std::vector<float>&& w2_input_scale) {
+                      std::vector<float>&& w2_input_scale, float w13_input_scale_max = 0.0f) {
   const size_t E = size_t(p.num_experts), H = size_t(p.hidden), I = size_t(p.inter), N13 = size_t(p.w13_rows());
   nb::dict d;
   d["w13"] = to_array(std::move(w13), {E, N13, H / 2});
@@ -387,6 +397,7 @@ nb::dict weights_dict(const MoeProblem& p, std::vector<uint8_t>&& w13, std::vect
   d["w2_scale"] = to_array(std::move(w2_scale), {E, H, I / 16});  // e4m3 bits
   d["w2_scale_2"] = to_array(std::move(w2_scale_2), {E});
   d["w2_input_scale"] = to_array(std::move(w2_input_scale), {E});
+  if (w13_input_scale_max > 0.0f) d["w13_input_scale_max"] = w13_input_scale_max;
   return d;
 }
 
@@ -423,10 +434,20 @@ nb::dict load_layer(const std::string& dir, int64_t layer, int ep_rank, int ep_s
     nb::gil_scoped_release release;
     w = io::Checkpoint::open(dir).load_layer(layer, options);
   }
-  const MoeProblem p = w.problem;
+  // An expert-parallel rank's problem takes the whole layer's routing as precomputed ids mapped to its
+  // experts (skip_foreign_ids); "layer_problem" keeps the whole layer's (E, routing) for the router.
+  MoeProblem layer_problem = w.problem;
+  layer_problem.num_experts = w.total_experts;
+  layer_problem.inter = w.total_inter;
+  MoeProblem p = w.problem;
+  if (w.expert_end - w.expert_begin < w.total_experts) {
+    p.routing.method = RoutingMethod::Precomputed;
+    p.routing.skip_foreign_ids = true;
+  }
   const size_t total = size_t(w.total_experts), H = size_t(p.hidden);
   nb::dict d;
   d["problem"] = p;
+  d["layer_problem"] = layer_problem;
   d["layer"] = w.layer;
   d["total_experts"] = w.total_experts;
   d["expert_begin"] = w.expert_begin;
@@ -441,7 +462,7 @@ nb::dict load_layer(const std::string& dir, int64_t layer, int ep_rank, int ep_s
   d["worst_relative_change"] = w.fusion.worst_relative_change;
   d["weights"] = weights_dict(p, std::move(w.w13), std::move(w.w13_scale), std::move(w.w13_scale_2),
                               std::move(w.w13_input_scale), std::move(w.w2), std::move(w.w2_scale),
-                              std::move(w.w2_scale_2), std::move(w.w2_input_scale));
+                              std::move(w.w2_scale_2), std::move(w.w2_input_scale), w.w13_input_scale_max);
   return d;
 }
 
@@ -456,7 +477,7 @@ nb::dict tensor_parallel_shard(const MoeProblem& p, const nb::dict& weights, int
   d["inter_end"] = s.inter_end;
   d["weights"] = weights_dict(s.problem, std::move(s.w13), std::move(s.w13_scale), std::move(s.w13_scale_2),
                               std::move(s.w13_input_scale), std::move(s.w2), std::move(s.w2_scale),
-                              std::move(s.w2_scale_2), std::move(s.w2_input_scale));
+                              std::move(s.w2_scale_2), std::move(s.w2_input_scale), s.w13_input_scale_max);
   return d;
 }
 
@@ -474,14 +495,14 @@ nb::dict write_checkpoint_fixture(const std::string& dir, const std::string& fam
   for (auto& [layer, w] : fixture.layers)
     d[nb::int_(layer)] = weights_dict(w.problem, std::move(w.w13), std::move(w.w13_scale), std::move(w.w13_scale_2),
                                       std::move(w.w13_input_scale), std::move(w.w2), std::move(w.w2_scale),
-                                      std::move(w.w2_scale_2), std::move(w.w2_input_scale));
+                                      std::move(w.w2_scale_2), std::move(w.w2_input_scale), w.w13_input_scale_max);
   return d;
 }
 
 MoeProblem make_problem(int64_t num_experts, int64_t hidden, int64_t inter, int top_k,
                         const std::string& routing_method, int n_group, int topk_group, float routed_scaling_factor,
-                        bool apply_router_weight_on_input, const std::string& activation, float swiglu_alpha,
-                        float swiglu_beta, float swiglu_limit, const std::string& act_quant) {
+                        bool apply_router_weight_on_input, bool skip_foreign_ids, const std::string& activation,
+                        float swiglu_alpha, float swiglu_beta, float swiglu_limit, const std::string& act_quant) {
   MoeProblem p;
   p.num_experts = num_experts;
   p.hidden = hidden;
@@ -492,6 +513,7 @@ MoeProblem make_problem(int64_t num_experts, int64_t hidden, int64_t inter, int 
   p.routing.topk_group = topk_group;
   p.routing.routed_scaling_factor = routed_scaling_factor;
   p.routing.apply_router_weight_on_input = apply_router_weight_on_input;
+  p.routing.skip_foreign_ids = skip_foreign_ids;
   p.activation.kind = parse_activation(activation);
   p.activation.swiglu_alpha = swiglu_alpha;
   p.activation.swiglu_beta = swiglu_beta;
@@ -516,15 +538,16 @@ NB_MODULE(_fp4moe, m) {
       .def("__init__",
            [](MoeProblem* self, int64_t num_experts, int64_t hidden, int64_t inter, int top_k,
               const std::string& routing_method, int n_group, int topk_group, float routed_scaling_factor,
-              bool apply_router_weight_on_input, const std::string& activation, float swiglu_alpha, float swiglu_beta,
-              float swiglu_limit, const std::string& act_quant) {
+              bool apply_router_weight_on_input, bool skip_foreign_ids, const std::string& activation,
+              float swiglu_alpha, float swiglu_beta, float swiglu_limit, const std::string& act_quant) {
              new (self) MoeProblem(make_problem(num_experts, hidden, inter, top_k, routing_method, n_group,
                                                 topk_group, routed_scaling_factor, apply_router_weight_on_input,
-                                                activation, swiglu_alpha, swiglu_beta, swiglu_limit, act_quant));
+                                                skip_foreign_ids, activation, swiglu_alpha, swiglu_beta, swiglu_limit,
+                                                act_quant));
            },
            nb::kw_only(), "num_experts"_a, "hidden"_a, "inter"_a, "top_k"_a, "routing_method"_a = "renormalize",
            "n_group"_a = 1, "topk_group"_a = 1, "routed_scaling_factor"_a = 1.0f,
-           "apply_router_weight_on_input"_a = false, "activation"_a = "swiglu", "swiglu_alpha"_a = 1.702f,
+           "apply_router_weight_on_input"_a = false, "skip_foreign_ids"_a = false, "activation"_a = "swiglu", "swiglu_alpha"_a = 1.702f,
            "swiglu_beta"_a = 1.0f, "swiglu_limit"_a = 7.0f, "act_quant"_a = "w4a16")
       .def_ro("num_experts", &MoeProblem::num_experts)
       .def_ro("hidden", &MoeProblem::hidden)
@@ -536,6 +559,7 @@ NB_MODULE(_fp4moe, m) {
       .def_prop_ro("routed_scaling_factor", [](const MoeProblem& p) { return p.routing.routed_scaling_factor; })
       .def_prop_ro("apply_router_weight_on_input",
                    [](const MoeProblem& p) { return p.routing.apply_router_weight_on_input; })
+      .def_prop_ro("skip_foreign_ids", [](const MoeProblem& p) { return p.routing.skip_foreign_ids; })
       .def_prop_ro("activation", [](const MoeProblem& p) { return std::string(to_string(p.activation.kind)); })
       .def_prop_ro("act_quant", [](const MoeProblem& p) { return std::string(to_string(p.act_quant)); })
       .def_prop_ro("w13_rows", &MoeProblem::w13_rows)
@@ -555,6 +579,18 @@ NB_MODULE(_fp4moe, m) {
              return q;
            },
            "routing_method"_a, "The same problem with another routing method (e.g. precomputed).")
+      .def("expert_parallel_rank",
+           [](const MoeProblem& p, int64_t num_local_experts) {
+             MoeProblem q = p;
+             q.num_experts = num_local_experts;
+             q.routing.method = RoutingMethod::Precomputed;
+             q.routing.skip_foreign_ids = true;
+             q.validate();
+             return q;
+           },
+           "num_local_experts"_a,
+           "An expert-parallel rank's problem: its experts only, precomputed routing with skip_foreign_ids (ids "
+           "outside [0, num_local_experts) are other ranks' experts).")
       .def("describe", &MoeProblem::describe)
       .def("__repr__", [](const MoeProblem& p) { return "fp4moe.Problem(" + p.describe() + ")"; });
 

@@ -60,23 +60,27 @@ double dot(const float* a, const float* b, int64_t n) {
 }
 
 // Grouping of the T*k entries by expert (step 2).
+// Expert-major, stable. Ids outside [0, E) (another rank's experts, skip_foreign_ids) go to a last
+// bucket E after every expert: its rows belong to no expert and are never computed.
 struct Permutation {
-  std::vector<int64_t> offsets;       // [E + 1]: rows of expert e are [offsets[e], offsets[e+1])
+  std::vector<int64_t> offsets;       // [E + 2]: rows of expert e are [offsets[e], offsets[e+1]); bucket E: foreign
   std::vector<int64_t> row_of_entry;  // [T*k]
   std::vector<int64_t> entry_of_row;  // [T*k]
+  int64_t local_rows() const { return offsets[offsets.size() - 2]; }  // rows of this rank's experts
 };
 
 Permutation permute(const std::vector<int32_t>& ids, int64_t num_experts) {
   Permutation p;
   const int64_t n = static_cast<int64_t>(ids.size());
-  p.offsets.assign(static_cast<size_t>(num_experts) + 1, 0);
-  for (int32_t e : ids) ++p.offsets[e + 1];
-  for (int64_t e = 0; e < num_experts; ++e) p.offsets[e + 1] += p.offsets[e];
+  auto bucket = [num_experts](int32_t id) { return id >= 0 && id < num_experts ? int64_t(id) : num_experts; };
+  p.offsets.assign(static_cast<size_t>(num_experts) + 2, 0);
+  for (int32_t e : ids) ++p.offsets[bucket(e) + 1];
+  for (int64_t e = 0; e <= num_experts; ++e) p.offsets[e + 1] += p.offsets[e];
   std::vector<int64_t> fill(p.offsets.begin(), p.offsets.end() - 1);
   p.row_of_entry.resize(n);
   p.entry_of_row.resize(n);
   for (int64_t i = 0; i < n; ++i) {
-    const int64_t r = fill[ids[i]]++;
+    const int64_t r = fill[bucket(ids[i])]++;
     p.row_of_entry[i] = r;
     p.entry_of_row[r] = i;
   }
@@ -168,7 +172,7 @@ void activation_rows(const LayerShape& s, const ActivationParams& act, const Per
                      std::vector<float>& out, Finish&& finish) {
   const int64_t R = s.T * s.k;
   out.resize(static_cast<size_t>(R * s.I));
-  parallel_chunks(R, 64, [&](int64_t r, int worker) {
+  parallel_chunks(perm.local_rows(), 64, [&](int64_t r, int worker) {
     const float* hr = h.data() + r * s.N1;
     float* o = out.data() + r * s.I;
     for (int64_t i = 0; i < s.I; ++i)
@@ -177,15 +181,18 @@ void activation_rows(const LayerShape& s, const ActivationParams& act, const Per
   });
 }
 
-// Step 7: out[t] = sum_j w_j * y_j in fp32, slots in order (unit weights: w = 1).
+// Step 7: out[t] = sum_j w_j * y_j in fp32, slots in order (unit weights: w = 1); the slots of
+// another rank's experts (skip_foreign_ids) add nothing.
 template <typename Store>
 void finalize(const LayerShape& s, const Permutation& perm, const std::vector<float>& weights,
               bool unit_weights, const std::vector<float>& y, Store&& store) {
+  const int64_t local_rows = perm.local_rows();
   parallel_chunks(s.T, 16, [&](int64_t t, int) {
     for (int64_t n = 0; n < s.H; ++n) {
       float acc = 0.0f;
       for (int64_t j = 0; j < s.k; ++j) {
         const int64_t entry = t * s.k + j;
+        if (perm.row_of_entry[entry] >= local_rows) continue;
         const float w = unit_weights ? 1.0f : weights[entry];
         const float prod = w * y[perm.row_of_entry[entry] * s.H + n];
         acc = acc + prod;
@@ -281,6 +288,14 @@ MoeResult moe_forward(const MoeProblem& problem, int64_t num_tokens, const uint1
     check_scales(weights.w13_input_scale, s.E, "w13_input_scale", true);
     check_scales(weights.w2_input_scale, s.E, "w2_input_scale", true);
   }
+  if (weights.w13_input_scale_max != 0.0f) {
+    const float local_max =
+        w4a4 ? *std::max_element(weights.w13_input_scale, weights.w13_input_scale + s.E) : 0.0f;
+    check(std::isfinite(weights.w13_input_scale_max) && weights.w13_input_scale_max >= local_max &&
+              std::isfinite(1.0f / weights.w13_input_scale_max),
+          "moe_forward: weights.w13_input_scale_max must be 0 (unset) or a finite scale with a finite fp32 "
+          "reciprocal, >= the max of w13_input_scale (", local_max, "), got ", weights.w13_input_scale_max);
+  }
   const bool precomputed = rp.method == RoutingMethod::Precomputed;
   if (precomputed) {
     check(router.logits == nullptr,
@@ -305,7 +320,7 @@ MoeResult moe_forward(const MoeProblem& problem, int64_t num_tokens, const uint1
           T, ", ", k, "] with routing_method precomputed");
     check(router.topk_weights != nullptr, "moe_forward: router.topk_weights is null, expected f32 "
           "[T, k] = [", T, ", ", k, "] with routing_method precomputed");
-    check_ids(router.topk_ids, T, static_cast<int>(k), E, "moe_forward", "router.topk_ids");
+    if (!rp.skip_foreign_ids) check_ids(router.topk_ids, T, static_cast<int>(k), E, "moe_forward", "router.topk_ids");
     result.topk_ids.assign(router.topk_ids, router.topk_ids + R);
     result.topk_weights.assign(router.topk_weights, router.topk_weights + R);
   } else {
@@ -332,7 +347,9 @@ MoeResult moe_forward(const MoeProblem& problem, int64_t num_tokens, const uint1
   });
   std::vector<float> a_scale(static_cast<size_t>(E), 1.0f);  // the GEMM1 input scale per expert
   if (problem.act_quant == ActQuant::W4A4Scalar) {
-    const float a1 = *std::max_element(weights.w13_input_scale, weights.w13_input_scale + E);
+    const float a1 = weights.w13_input_scale_max > 0.0f
+                         ? weights.w13_input_scale_max
+                         : *std::max_element(weights.w13_input_scale, weights.w13_input_scale + E);
     std::fill(a_scale.begin(), a_scale.end(), a1);
   } else if (problem.act_quant == ActQuant::W4A4PerExpert) {
     a_scale.assign(weights.w13_input_scale, weights.w13_input_scale + E);
@@ -348,7 +365,7 @@ MoeResult moe_forward(const MoeProblem& problem, int64_t num_tokens, const uint1
     x.swap(q);
   }
   std::vector<float> a(static_cast<size_t>(R * H));
-  parallel_chunks(R, 16, [&](int64_t r, int w) {
+  parallel_chunks(perm.local_rows(), 16, [&](int64_t r, int w) {
     const int64_t entry = perm.entry_of_row[r], t = entry / k;
     const float* src = x.data() + t * H;
     float* dst = a.data() + r * H;

@@ -202,7 +202,8 @@ Status GpuMoeRunner::prepare_weights_or_throw(const reference::MoeWeights& w, co
   std::vector<float> alpha1(E), alpha2(E), act_scale(E, 1.0f), input_scale;
   float a_scalar = 0.0f;
   if (p.act_quant == ActQuant::W4A4Scalar)
-    a_scalar = *std::max_element(w.w13_input_scale, w.w13_input_scale + E);
+    a_scalar = w.w13_input_scale_max > 0.0f ? w.w13_input_scale_max  // the whole layer's (expert parallelism)
+                                            : *std::max_element(w.w13_input_scale, w.w13_input_scale + E);
   for (int64_t e = 0; e < E; ++e) {
     switch (p.act_quant) {
       case ActQuant::W4A16: alpha1[e] = w.w13_scale_2[e]; alpha2[e] = w.w2_scale_2[e]; break;
@@ -506,9 +507,10 @@ Status GpuMoeRunner::run(cudaStream_t stream, const ForwardArgs& a, bool routed,
   f.top_k = k;
   f.hidden_size = static_cast<int>(p.hidden);
   f.unit_weights = p.routing.apply_router_weight_on_input;
-  if (routed) {  // caller-given ids may be out of range
+  if (routed) {  // caller-given ids may be out of range: bad input, or another rank's experts
     f.topk_ids = ids;
     f.num_experts = E;
+    f.skip_foreign_ids = p.routing.skip_foreign_ids;
   }
   f.out = static_cast<__nv_bfloat16*>(a.output);
   FP4MOE_LAUNCH(6, "finalize", kernels::launch_finalize(f, stream));

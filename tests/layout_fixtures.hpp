@@ -1,9 +1,11 @@
-// tests/layout_fixtures.hpp — a case's weights in the other input layout that weight preparation
-// accepts: 128x4-swizzled block scales and w13 rows [up; gate] (FlashInfer's order).
+// tests/layout_fixtures.hpp — a case's weights in other forms: the other input layout that weight
+// preparation accepts (128x4-swizzled block scales, w13 rows [up; gate] as in FlashInfer), and one
+// expert-parallel rank's share (a contiguous range of experts, with the routing mapped to it).
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "fp4moe/case_file.hpp"
@@ -42,6 +44,45 @@ struct SwizzledUpGateWeights {
     w.w13_scale = w13_scale.data();
     w.w2_scale = w2_scale.data();
     return w;
+  }
+};
+
+// Experts [begin, end) of a case: their weights, the whole layer's max GEMM1 input scale, and the case's
+// routing mapped to local ids (another rank's expert: -1), for a precomputed problem with
+// skip_foreign_ids. `routing_ids` / `routing_weights` are the whole layer's [T, k] routing.
+struct ExpertRangeWeights {
+  MoeProblem problem;  // num_experts = end - begin, precomputed routing, skip_foreign_ids
+  std::vector<uint8_t> w13, w13_scale, w2, w2_scale;
+  std::vector<float> w13_scale_2, w13_input_scale, w2_scale_2, w2_input_scale;
+  float w13_input_scale_max = 0.0f;
+  std::vector<int32_t> local_ids;  // [T, k]
+
+  ExpertRangeWeights(const io::MoeCase& c, int64_t begin, int64_t end, const std::vector<int32_t>& routing_ids) {
+    const MoeProblem& p = c.problem;
+    problem = p;
+    problem.num_experts = end - begin;
+    problem.routing.method = RoutingMethod::Precomputed;
+    problem.routing.skip_foreign_ids = true;
+    auto range = [&](const auto& v) {
+      const size_t per = v.size() / size_t(p.num_experts);
+      return std::vector<typename std::decay_t<decltype(v)>::value_type>(v.begin() + begin * per, v.begin() + end * per);
+    };
+    w13 = range(c.w13);
+    w13_scale = range(c.w13_scale);
+    w2 = range(c.w2);
+    w2_scale = range(c.w2_scale);
+    w13_scale_2 = range(c.w13_scale_2);
+    w13_input_scale = range(c.w13_input_scale);
+    w2_scale_2 = range(c.w2_scale_2);
+    w2_input_scale = range(c.w2_input_scale);
+    w13_input_scale_max = *std::max_element(c.w13_input_scale.begin(), c.w13_input_scale.end());
+    local_ids.resize(routing_ids.size());
+    for (size_t i = 0; i < routing_ids.size(); ++i)
+      local_ids[i] = routing_ids[i] >= begin && routing_ids[i] < end ? routing_ids[i] - int32_t(begin) : -1;
+  }
+  reference::MoeWeights weights() const {
+    return {w13.data(), w13_scale.data(), w13_scale_2.data(), w13_input_scale.data(),
+            w2.data(),  w2_scale.data(),  w2_scale_2.data(),  w2_input_scale.data(), w13_input_scale_max};
   }
 };
 

@@ -40,7 +40,9 @@
 // so that the first E % n ranks get one more). The loaded problem's num_experts is the local count;
 // the router weight and bias stay whole ([E_total, H], [E_total]) because the router scores all
 // experts: a caller routes over E_total and maps a global id g to local g - expert_begin when
-// expert_begin <= g < expert_end (tokens routed elsewhere belong to other ranks).
+// expert_begin <= g < expert_end, and to -1 otherwise (another rank's expert: precomputed routing with
+// RoutingParams::skip_foreign_ids leaves it out of the rank's partial output). w13_input_scale_max is
+// the whole layer's, so that a rank's w4a4_scalar activation scale is the whole layer's.
 //
 // Tensor parallelism: rank r of n holds a contiguous range of whole 16-column blocks of the intermediate
 // size I of every expert (io::tensor_parallel_range / tensor_parallel_shard, fp4moe/weight_layout.hpp);
@@ -120,6 +122,7 @@ struct MoeLayerWeights {
   std::vector<float> w13_scale_2, w13_input_scale;  // [E]
   std::vector<uint8_t> w2, w2_scale;                // [E, H, I/2], [E, H, I/16]
   std::vector<float> w2_scale_2, w2_input_scale;    // [E]
+  float w13_input_scale_max = 0.0f;  // max of w13_input_scale over the whole layer's experts (w4a4 checkpoints)
   std::vector<uint16_t> router_weight;  // [total_experts, H] bf16 bits
   std::vector<float> routing_bias;      // [total_experts] (deepseek_v3 e_score_correction_bias) or empty
   ScaleFusionReport fusion;

@@ -52,6 +52,10 @@ struct RoutingParams {
   int topk_group = 1;                  // DeepSeekV3: groups kept
   float routed_scaling_factor = 1.0f;  // DeepSeekV3
   bool apply_router_weight_on_input = false;  // k = 1 only (Llama-4)
+  // Precomputed only (expert parallelism): an id outside [0, E) names another rank's expert, and its
+  // slot adds nothing to this rank's partial output. Without it such an id is bad input that makes its
+  // token's output row NaN. k may then exceed the local E.
+  bool skip_foreign_ids = false;
 };
 
 struct ActivationParams {

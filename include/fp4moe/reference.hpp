@@ -40,6 +40,9 @@ struct MoeWeights {
   const uint8_t* w2_scale = nullptr;       // [E, H, I/16]
   const float* w2_scale_2 = nullptr;       // [E]
   const float* w2_input_scale = nullptr;   // [E]
+  // w4a4_scalar: when > 0, the one activation scale (the max of w13_input_scale over the whole layer's
+  // experts: an expert-parallel rank holds only its own); 0: the max of w13_input_scale[0, E).
+  float w13_input_scale_max = 0.0f;
 };
 
 // The router input: either logits (+ optional bias) or precomputed ids and weights.

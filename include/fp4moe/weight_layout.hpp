@@ -56,6 +56,7 @@ struct TensorParallelShard {
   std::vector<uint8_t> w13, w13_scale;  // [E, 2 I_r, H/2], [E, 2 I_r, H/16]  rows [gate; up] (relu2: I_r rows)
   std::vector<uint8_t> w2, w2_scale;    // [E, H, I_r/2], [E, H, I_r/16]      I_r = inter_end - inter_begin
   std::vector<float> w13_scale_2, w13_input_scale, w2_scale_2, w2_input_scale;  // [E], as given (1.0 when absent)
+  float w13_input_scale_max = 0.0f;                                             // as given
   reference::MoeWeights weights() const;  // views into this object
 };
 

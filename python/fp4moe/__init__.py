@@ -211,7 +211,9 @@ def _convert(value, framework, key=""):
 def load_checkpoint_layer(checkpoint, layer, *, ep_rank=0, ep_size=1, tp_rank=0, tp_size=1, fusion="rescale_to_max",
                           framework="numpy"):
     """One MoE layer of an NVFP4 checkpoint directory (ModelOpt or compressed-tensors): a dict with
-    "problem" (Problem), "weights" (host arrays for MoeLayer; block scales as uint8 e4m3 bits),
+    "problem" (Problem; for an expert-parallel rank its experts with precomputed routing and
+    skip_foreign_ids), "layer_problem" (the whole layer's, for routing), "weights" (host arrays for
+    MoeLayer; block scales as uint8 e4m3 bits; "w13_input_scale_max", the whole layer's, in w4a4),
     "router_weight" [E_total, H] (bf16; uint16 bits in NumPy), "routing_bias" [E_total] when the
     model has one, "expert_begin" / "expert_end" (this expert-parallel rank's global ids),
     "inter_begin" / "inter_end" of "total_inter" (this tensor-parallel rank's columns of I; see

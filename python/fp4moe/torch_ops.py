@@ -71,12 +71,25 @@ class FusedMoE(torch.nn.Module):
 
     Tensor parallelism: give each rank its shard (fp4moe.tensor_parallel_shard, or
     fp4moe.load_checkpoint_layer(..., tp_rank=, tp_size=)) and the ranks' `process_group`: the output
-    is then all-reduced (sum) over it with torch.distributed, in bf16."""
+    is then all-reduced (sum) over it with torch.distributed, in bf16.
+
+    Expert parallelism: give each rank its experts' weights (load_checkpoint_layer(..., ep_rank=,
+    ep_size=), with the whole layer's "w13_input_scale_max"), its problem
+    (problem.expert_parallel_rank(n_local)) and `expert_range=(begin, end)` of the whole layer's ids;
+    forward then takes the whole layer's topk_ids / topk_weights (routed by the caller), maps them to
+    this rank's experts (another rank's: -1, adding nothing) and, with `process_group`, all-reduces."""
 
     def __init__(self, problem, weights, *, device="cuda", max_tokens=8192, scales_swizzled=False,
-                 w13_up_gate=False, process_group=None):
+                 w13_up_gate=False, process_group=None, expert_range=None):
         super().__init__()
         self.process_group = process_group
+        if expert_range is not None:
+            begin, end = (int(v) for v in expert_range)
+            if not (problem.skip_foreign_ids and end - begin == problem.num_experts):
+                raise Error(f"FusedMoE: expert_range {expert_range} needs the rank's problem with {end - begin} "
+                            "experts (problem.expert_parallel_rank(n_local))")
+            expert_range = (begin, end)
+        self.expert_range = expert_range
         self.layer = MoeLayer(problem, weights, device=device, max_tokens=max_tokens,
                               scales_swizzled=scales_swizzled, w13_up_gate=w13_up_gate)
         # NOTE: plain Python values only in forward, so that torch.compile traces it without a graph break.
@@ -92,7 +105,12 @@ class FusedMoE(torch.nn.Module):
         if self.precomputed:
             if topk_ids is None or topk_weights is None:
                 raise Error("FusedMoE: routing method precomputed needs topk_ids and topk_weights")
-            output = torch.ops.fp4moe.moe_forward_routed(self.handle, hidden_states, topk_ids, topk_weights)
+            local_ids = topk_ids
+            if self.expert_range is not None:  # the whole layer's ids -> this rank's, another rank's -> -1
+                begin, end = self.expert_range
+                foreign = (topk_ids < begin) | (topk_ids >= end)
+                local_ids = torch.where(foreign, torch.full_like(topk_ids, -1), topk_ids - begin).to(torch.int32)
+            output = torch.ops.fp4moe.moe_forward_routed(self.handle, hidden_states, local_ids, topk_weights)
             ids, weights = topk_ids, topk_weights
         else:
             output, ids, weights = torch.ops.fp4moe.moe_forward(self.handle, hidden_states, router_logits, routing_bias)

@@ -39,6 +39,7 @@ void expect_same_layer(const MoeLayerWeights& got, const MoeLayerWeights& want) 
   EXPECT_EQ(got.w2, want.w2);
   EXPECT_EQ(got.w2_scale, want.w2_scale);
   EXPECT_EQ(got.w2_scale_2, want.w2_scale_2);
+  EXPECT_EQ(got.w13_input_scale_max, want.w13_input_scale_max);
   EXPECT_EQ(got.w2_input_scale, want.w2_input_scale);
   EXPECT_EQ(got.router_weight, want.router_weight);
   EXPECT_EQ(got.routing_bias, want.routing_bias);
@@ -471,6 +472,8 @@ TEST(CheckpointEp, SlicesAreContiguousExpertRanges) {
     EXPECT_EQ(s.w2_scale, std::vector<uint8_t>(full.w2_scale.begin() + b * s2e, full.w2_scale.begin() + (b + n) * s2e));
     EXPECT_EQ(s.w13_scale_2, std::vector<float>(full.w13_scale_2.begin() + b, full.w13_scale_2.begin() + b + n));
     EXPECT_EQ(s.w2_input_scale, std::vector<float>(full.w2_input_scale.begin() + b, full.w2_input_scale.begin() + b + n));
+    ASSERT_GT(full.w13_input_scale_max, 0.0f);  // a w4a4 checkpoint
+    EXPECT_EQ(s.w13_input_scale_max, full.w13_input_scale_max);  // the whole layer's, on every rank
     EXPECT_EQ(s.router_weight, full.router_weight);  // the router scores all experts
     EXPECT_EQ(s.routing_bias, full.routing_bias);
     EXPECT_THROW(s.to_case(random_hidden_states(1, H, 1), 1), Error);

@@ -262,3 +262,34 @@ def test_load_checkpoint_layer_tensor_parallel(tmp_path):
 def test_load_checkpoint_layer_errors_name_the_path(tmp_path):
     with pytest.raises(fp4moe.Error, match=str(tmp_path / "missing")):
         fp4moe.load_checkpoint_layer(tmp_path / "missing", 0)
+
+
+@pytest.mark.parametrize("act_quant", ["w4a16", "w4a4_scalar"])
+def test_expert_parallel_ranks_sum_to_the_layer(act_quant):
+    problem = fp4moe.preset("tiny", act_quant=act_quant)  # E = 8, k = 2
+    case = fp4moe.random_case(problem, 29, seed=31)
+    w = case["weights"]
+    full, ids, weights = fp4moe.MoeLayer(problem, w, device="cpu", max_tokens=32)(
+        case["hidden_states"], case["router_logits"])
+    total = np.zeros(full.shape)
+    for begin, end in [(0, 3), (3, 6), (6, 8)]:
+        local = {name: value[begin:end] for name, value in w.items()}
+        local["w13_input_scale_max"] = float(w["w13_input_scale"].max())  # the whole layer's
+        rank = fp4moe.MoeLayer(problem.expert_parallel_rank(end - begin), local, device="cpu", max_tokens=32)
+        local_ids = np.where((ids >= begin) & (ids < end), ids - begin, -1).astype(np.int32)
+        out, _, _ = rank(case["hidden_states"], topk_ids=local_ids, topk_weights=weights)
+        total += bf16_bits_to_float(out)
+    ref = bf16_bits_to_float(full)
+    assert np.linalg.norm(total - ref) <= 5e-3 * np.linalg.norm(ref)
+    with pytest.raises(fp4moe.Error, match="skip_foreign_ids needs routing method precomputed"):
+        fp4moe.Problem(num_experts=8, hidden=256, inter=128, top_k=2, skip_foreign_ids=True)
+
+
+def test_load_checkpoint_layer_expert_parallel(tmp_path):
+    fp4moe._fp4moe._write_checkpoint_fixture(str(tmp_path), "deepseek_v3", "modelopt")
+    full = fp4moe.load_checkpoint_layer(tmp_path, 1)
+    rank = fp4moe.load_checkpoint_layer(tmp_path, 1, ep_rank=1, ep_size=2)
+    assert rank["problem"].routing_method == "precomputed" and rank["problem"].skip_foreign_ids
+    assert rank["layer_problem"].num_experts == full["problem"].num_experts
+    assert rank["layer_problem"].routing_method == "deepseek_v3"
+    assert rank["weights"]["w13_input_scale_max"] == full["weights"]["w13_input_scale_max"] > 0

@@ -160,3 +160,23 @@ def test_tensor_parallel_shards_on_the_gpu(tmp_path):
         assert torch.equal(reduced(*args), whole)
     finally:
         dist.destroy_process_group()
+
+
+def test_expert_parallel_ranks_on_the_gpu():
+    """Three expert-parallel ranks run on one GPU (the whole layer's routing, mapped by FusedMoE) sum to
+    the whole layer."""
+    problem = PROBLEMS["deepseek_v3-groups"]  # 32 experts, w4a4_scalar
+    case = fp4moe.random_case(problem, 45, seed=14, framework="torch")
+    inputs = to_device(case)
+    whole = FusedMoE(problem, case["weights"], device=DEVICE, max_tokens=64)
+    out, ids, weights = whole(inputs["hidden_states"], inputs["router_logits"], inputs["routing_bias"],
+                              return_routing=True)
+    total = torch.zeros_like(out, dtype=torch.float32)
+    scale_max = float(case["weights"]["w13_input_scale"].max())
+    for begin, end in [(0, 11), (11, 22), (22, 32)]:
+        local = {name: value[begin:end] for name, value in case["weights"].items()}
+        local["w13_input_scale_max"] = scale_max
+        rank = FusedMoE(problem.expert_parallel_rank(end - begin), local, device=DEVICE, max_tokens=64,
+                        expert_range=(begin, end))
+        total += rank(inputs["hidden_states"], topk_ids=ids, topk_weights=weights).float()
+    assert torch.linalg.norm(total - out.float()) <= 5e-3 * torch.linalg.norm(out.float())

@@ -9,6 +9,7 @@
 // the re-quantized activation, on rare elements. So: no NaN where the reference has none, at least
 // 99.5% of output elements within one bf16 ulp of the reference plus 1e-3 of their token row's RMS
 // (outputs that nearly cancel), relative L2 error below 5e-3.
+#include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -21,10 +22,13 @@
 #include <string>
 
 #include "fp4moe/case_file.hpp"
+#include "fp4moe/checkpoint.hpp"
 #include "fp4moe/format.hpp"
 #include "fp4moe/presets.hpp"
 #include "fp4moe/reference.hpp"
 #include "fp4moe/runner.hpp"
+#include "layout_fixtures.hpp"
+#include "runner/layer_buffers.hpp"
 
 namespace fp4moe {
 namespace {
@@ -41,6 +45,33 @@ float bf16_ulp(float x) {
   return std::ldexp(1.0f, exp - 8);
 }
 
+// The output rows of T tokens against the reference's (bf16 bits), by the tolerance above.
+void expect_output_matches(const std::vector<uint16_t>& gpu, const std::vector<uint16_t>& ref, int64_t T, int64_t H,
+                           const std::string& label) {
+  ASSERT_EQ(gpu.size(), ref.size());
+  double num = 0, den = 0;
+  int64_t off = 0;
+  for (int64_t t = 0; t < T; ++t) {
+    double row_sq = 0;
+    for (int64_t h = 0; h < H; ++h) row_sq += std::pow(format::bf16_to_float(ref[t * H + h]), 2.0);
+    // Absolute floor: results that nearly cancel move by more than their own ulp when a rounding of
+    // the activation flips; 1e-3 of the row's RMS covers that (docs/numerics.md).
+    const float floor = 1e-3f * static_cast<float>(std::sqrt(row_sq / H));
+    for (int64_t h = 0; h < H; ++h) {
+      const size_t i = t * H + h;
+      const float r = format::bf16_to_float(ref[i]), g = format::bf16_to_float(gpu[i]);
+      ASSERT_FALSE(std::isnan(g) && !std::isnan(r)) << label << " NaN at " << i;
+      num += double(g - r) * (g - r);
+      den += double(r) * r;
+      if (std::fabs(g - r) > bf16_ulp(r) * 1.01f + floor) ++off;
+    }
+  }
+  const double rel = den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+  EXPECT_LT(rel, 5e-3) << label;
+  EXPECT_LE(off, static_cast<int64_t>(0.005 * ref.size()) + 1) << label << ": " << off << " of " << ref.size()
+                                                               << " beyond 1 ulp + 1e-3 row RMS";
+}
+
 void expect_layer_matches(const io::MoeCase& c, const std::string& label,
                           std::optional<MoeTactic> tactic = std::nullopt) {
   const reference::MoeResult ref =
@@ -51,29 +82,7 @@ void expect_layer_matches(const io::MoeCase& c, const std::string& label,
   for (size_t i = 0; i < ref.topk_weights.size(); ++i)
     ASSERT_NEAR(gpu.topk_weights[i], ref.topk_weights[i], 1e-6 * std::fabs(ref.topk_weights[i]) + 1e-30)
         << label << " weight " << i;
-  ASSERT_EQ(gpu.output.size(), ref.output.size());
-  const int64_t H = c.problem.hidden;
-  double num = 0, den = 0;
-  int64_t off = 0;
-  for (int64_t t = 0; t < c.num_tokens; ++t) {
-    double row_sq = 0;
-    for (int64_t h = 0; h < H; ++h) row_sq += std::pow(format::bf16_to_float(ref.output[t * H + h]), 2.0);
-    // Absolute floor: results that nearly cancel move by more than their own ulp when a rounding of
-    // the activation flips; 1e-3 of the row's RMS covers that (docs/numerics.md).
-    const float floor = 1e-3f * static_cast<float>(std::sqrt(row_sq / H));
-    for (int64_t h = 0; h < H; ++h) {
-      const size_t i = t * H + h;
-      const float r = format::bf16_to_float(ref.output[i]), g = format::bf16_to_float(gpu.output[i]);
-      ASSERT_FALSE(std::isnan(g) && !std::isnan(r)) << label << " NaN at " << i;
-      num += double(g - r) * (g - r);
-      den += double(r) * r;
-      if (std::fabs(g - r) > bf16_ulp(r) * 1.01f + floor) ++off;
-    }
-  }
-  const double rel = den > 0 ? std::sqrt(num / den) : std::sqrt(num);
-  EXPECT_LT(rel, 5e-3) << label;
-  EXPECT_LE(off, static_cast<int64_t>(0.005 * ref.output.size()) + 1) << label << ": " << off << " of "
-                                                                     << ref.output.size() << " beyond 1 ulp + 1e-3 row RMS";
+  expect_output_matches(gpu.output, ref.output, c.num_tokens, c.problem.hidden, label);
 }
 
 bool have_gpu() {
@@ -303,6 +312,45 @@ TEST(LayerEdge, OutOfRangePrecomputedIdPoisonsOnlyItsToken) {
       } else {
         ASSERT_LE(std::fabs(g - r), 2 * bf16_ulp(r) + 1e-6f) << "token " << t << " column " << h;
       }
+    }
+  }
+}
+
+// Expert parallelism: each rank's experts on the whole layer's routing mapped to local ids (another
+// rank's expert: -1, skip_foreign_ids), outputs poisoned first, against the reference rank.
+TEST(LayerExpertParallel, RanksMatchTheReferenceRank) {
+  SKIP_WITHOUT_GPU();
+  for (ActQuant mode : {ActQuant::W4A16, ActQuant::W4A4Scalar, ActQuant::W4A4PerExpert}) {
+    const MoeProblem p = preset("tiny", mode);
+    const int64_t T = 77, k = p.top_k();
+    const io::MoeCase c = random_case(p, T, 90);
+    const reference::MoeResult full =
+        reference::moe_forward(p, T, c.hidden_states.data(), c.router(), c.weights());
+    for (int rank = 0; rank < 3; ++rank) {
+      const auto [begin, end] = io::expert_range(p.num_experts, rank, 3);
+      const test::ExpertRangeWeights local(c, begin, end, full.topk_ids);
+      reference::RouterInput router;
+      router.topk_ids = local.local_ids.data();
+      router.topk_weights = full.topk_weights.data();
+      const reference::MoeResult ref =
+          reference::moe_forward(local.problem, T, c.hidden_states.data(), router, local.weights());
+      auto runner = MoeRunner::create(local.problem, T);
+      const Status prepared = runner->prepare_weights(local.weights());
+      ASSERT_TRUE(prepared.ok()) << prepared.message;
+      const test::LayerBuffers buf(local.problem, T, *runner);
+      ASSERT_EQ(cudaMemcpy(buf.hidden.ptr, c.hidden_states.data(), T * p.hidden * 2, cudaMemcpyHostToDevice), cudaSuccess);
+      ASSERT_EQ(cudaMemcpy(buf.ids.ptr, local.local_ids.data(), T * k * 4, cudaMemcpyHostToDevice), cudaSuccess);
+      ASSERT_EQ(cudaMemcpy(buf.weights.ptr, full.topk_weights.data(), T * k * 4, cudaMemcpyHostToDevice), cudaSuccess);
+      ASSERT_EQ(buf.poison_output(), cudaSuccess);
+      ForwardArgs a = buf.args;
+      a.router_logits = nullptr;
+      const Status s = runner->forward_routed(nullptr, a);
+      ASSERT_TRUE(s.ok()) << s.message;
+      cudaError_t copied;
+      const std::vector<uint16_t> out = buf.output(&copied);
+      ASSERT_EQ(copied, cudaSuccess);
+      expect_output_matches(out, ref.output, T, p.hidden,
+                            std::string(to_string(mode)) + " rank " + std::to_string(rank));
     }
   }
 }
