@@ -87,7 +87,10 @@ def _stream_handle(stream, like):
     if framework == "cupy":
         import cupy
         return cupy.cuda.get_current_stream().ptr
-    return 0  # the legacy default stream
+    if framework == "numpy":
+        return 0  # host arrays: the extension then reports the tensor's device
+    raise Error(f"fp4moe: no current stream is known for a {_type_name(like)} (torch and CuPy tensors have one); "
+                "pass stream= (an int handle; 0 is the legacy default stream)")
 
 
 def _parse_device(device):
