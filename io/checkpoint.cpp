@@ -408,14 +408,16 @@ MoeLayerWeights Checkpoint::load_layer(int64_t layer, const LoadOptions& options
   }
 
   // The whole layer's largest GEMM1 input scale (w4a4_scalar quantizes every token with it): an
-  // expert-parallel rank reads every expert's, not only its own.
+  // expert-parallel rank also reads the other ranks' experts' scales.
   if (cfg.problem.act_quant != ActQuant::W4A16) {
-    const char* input = cfg.format == CheckpointFormat::CompressedTensors ? ".input_global_scale" : ".input_scale";
     const bool ct = cfg.format == CheckpointFormat::CompressedTensors;
+    const char* input = ct ? ".input_global_scale" : ".input_scale";
+    w.w13_input_scale_max = *std::max_element(w.w13_input_scale.begin(), w.w13_input_scale.end());
     for (int64_t e = 0; e < E; ++e)
-      for (const char* proj : {names.gate, names.up})
-        w.w13_input_scale_max =
-            std::max(w.w13_input_scale_max, ck.scale(experts + std::to_string(e) + "." + proj + input, ct));
+      if (e < begin || e >= end)
+        for (const char* proj : {names.gate, names.up})
+          w.w13_input_scale_max =
+              std::max(w.w13_input_scale_max, ck.scale(experts + std::to_string(e) + "." + proj + input, ct));
   }
 
   // (5) router and bias

@@ -255,6 +255,16 @@ float apply_activation(const ActivationParams& act, float gate, float up) {
   throw Error(fp4moe::detail::concat("apply_activation: unknown activation kind ", static_cast<int>(act.kind)));
 }
 
+void check_input_scale_max(const MoeWeights& weights, int64_t num_experts, ActQuant act_quant) {
+  const float m = weights.w13_input_scale_max;
+  if (m == 0.0f) return;
+  const bool w4a4 = act_quant != ActQuant::W4A16 && weights.w13_input_scale != nullptr;
+  const float local_max = w4a4 ? *std::max_element(weights.w13_input_scale, weights.w13_input_scale + num_experts) : 0.0f;
+  check(std::isfinite(m) && m > 0.0f && m >= local_max && std::isfinite(1.0f / m),
+        "weights.w13_input_scale_max must be 0 (unset) or a finite scale with a finite fp32 reciprocal, >= the "
+        "max of w13_input_scale (", local_max, "), got ", m);
+}
+
 MoeResult moe_forward(const MoeProblem& problem, int64_t num_tokens, const uint16_t* hidden,
                       const RouterInput& router, const MoeWeights& weights, MoeTrace* trace) {
   // ---- 0. arguments ----
@@ -288,14 +298,7 @@ MoeResult moe_forward(const MoeProblem& problem, int64_t num_tokens, const uint1
     check_scales(weights.w13_input_scale, s.E, "w13_input_scale", true);
     check_scales(weights.w2_input_scale, s.E, "w2_input_scale", true);
   }
-  if (weights.w13_input_scale_max != 0.0f) {
-    const float local_max =
-        w4a4 ? *std::max_element(weights.w13_input_scale, weights.w13_input_scale + s.E) : 0.0f;
-    check(std::isfinite(weights.w13_input_scale_max) && weights.w13_input_scale_max >= local_max &&
-              std::isfinite(1.0f / weights.w13_input_scale_max),
-          "moe_forward: weights.w13_input_scale_max must be 0 (unset) or a finite scale with a finite fp32 "
-          "reciprocal, >= the max of w13_input_scale (", local_max, "), got ", weights.w13_input_scale_max);
-  }
+  check_input_scale_max(weights, s.E, problem.act_quant);
   const bool precomputed = rp.method == RoutingMethod::Precomputed;
   if (precomputed) {
     check(router.logits == nullptr,

@@ -184,6 +184,7 @@ Status GpuMoeRunner::prepare_weights_or_throw(const reference::MoeWeights& w, co
                            {w.w2_input_scale, "w2_input_scale"}})
       if (auto m = check_scales(v, E, name); !m.empty()) return Status::failure(m);
 
+  reference::check_input_scale_max(w, E, p.act_quant);
   // Canonical layout first: linear scales, [gate; up] row order.
   const io::CanonicalExpertWeights canonical = io::canonical_expert_weights(p, w, options);
 

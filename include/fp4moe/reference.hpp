@@ -66,6 +66,10 @@ struct MoeTrace {
   std::vector<float> gemm2_out;    // [T*k, H] y = alpha2 * (act_out . w2^T), fp32
 };
 
+// Throws fp4moe::Error unless weights.w13_input_scale_max is 0 (unset) or a finite scale with a finite
+// fp32 reciprocal that is >= the max of w13_input_scale[0, E) (w4a4; any positive scale in w4a16).
+void check_input_scale_max(const MoeWeights& weights, int64_t num_experts, ActQuant act_quant);
+
 // hidden [T, H] bf16 bits. Checks every argument (throws fp4moe::Error). Multi-threaded over tokens.
 // The router input is exactly one of: logits (+ bias) for a computed method, or topk_ids +
 // topk_weights for Precomputed (ids checked in [0, E)). Input scales are needed (and checked) for w4a4.

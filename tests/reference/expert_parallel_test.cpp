@@ -4,6 +4,7 @@
 // ranks' outputs sum to the whole layer's output up to the bf16 rounding of each partial.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -66,7 +67,7 @@ TEST(ExpertParallelErrors, ForeignIdsNeedTheFlagAndPrecomputedRouting) {
   p.routing.method = RoutingMethod::Precomputed;
   p.num_experts = 1;  // k = 2 > E is fine: the ids are the whole layer's
   p.validate();
-  const io::MoeCase c = io::make_random_packed_case(preset("tiny"), 2, 5);
+  const io::MoeCase c = io::make_random_packed_case(preset("tiny", ActQuant::W4A4Scalar), 2, 5);
   const test::ExpertRangeWeights local(c, 0, 4, {0, 3, 5, 0});  // token 1's second slot: another rank's
   reference::RouterInput router;
   router.topk_ids = local.local_ids.data();
@@ -77,6 +78,11 @@ TEST(ExpertParallelErrors, ForeignIdsNeedTheFlagAndPrecomputedRouting) {
   expect_error([&] { reference::moe_forward(strict, 2, c.hidden_states.data(), router, local.weights()); },
                "must be an expert id in [0, 4), got -1");
   const reference::MoeResult r = reference::moe_forward(local.problem, 2, c.hidden_states.data(), router, local.weights());
+  reference::MoeWeights below = local.weights();
+  below.w13_input_scale_max =  // below this rank's own largest
+      0.5f * *std::max_element(local.w13_input_scale.begin(), local.w13_input_scale.end());
+  expect_error([&] { reference::moe_forward(local.problem, 2, c.hidden_states.data(), router, below); },
+               "w13_input_scale_max must be 0 (unset) or a finite scale");
   for (int64_t h = 0; h < p.hidden; ++h) EXPECT_FALSE(std::isnan(format::bf16_to_float(r.output[p.hidden + h])));
 }
 
