@@ -382,6 +382,64 @@ class Layer {
   float w13_input_scale_max_ = 0.0f;
 };
 
+// Routing alone (expert parallelism: every rank routes over the whole layer's experts): GpuRouter on
+// cuda, reference::route on the cpu.
+class Router {
+ public:
+  Router(const MoeProblem& problem, const std::string& device, int device_index)
+      : params_(problem.routing), num_experts_(problem.num_experts) {
+    check(device == "cpu" || device == "cuda", "Router: device must be 'cpu' or 'cuda', got '", device, "'");
+    check(params_.method != RoutingMethod::Precomputed, "Router: routing method precomputed has nothing to route");
+    problem.validate();
+    if (device == "cuda") {
+      check(device_index >= 0, "Router: device_index must name a CUDA device (>= 0), got ", device_index);
+      device_ = device_index;
+      gpu_ = GpuRouter::create(params_, num_experts_, device_index);
+    }
+  }
+
+  std::string device() const { return gpu_ ? "cuda:" + std::to_string(device_) : "cpu"; }
+
+  void route(const InArray& logits, const std::optional<InArray>& bias, const Array& topk_ids,
+             const Array& topk_weights, uintptr_t stream) const {
+    const TensorCheck t{"Router.route", gpu_ != nullptr, device_};
+    check(logits.ndim() == 2, "Router.route: router_logits: expected shape [T, E], got ", shape_of(logits));
+    const int64_t T = int64_t(logits.shape(0)), E = num_experts_, k = params_.top_k;
+    const void* s = t(logits, "router_logits", Elem::Logits, {T, E}, "[T, E]");
+    const bool logits_bf16 = !matches(logits.dtype(), Elem::F32);
+    check(!bias || params_.method == RoutingMethod::DeepSeekV3,
+          "Router.route: routing_bias is only used by deepseek_v3 routing, got method ", to_string(params_.method));
+    const float* b = bias ? static_cast<const float*>(t(*bias, "routing_bias", Elem::F32, {E}, "[E]")) : nullptr;
+    auto* ids = static_cast<int32_t*>(t(topk_ids, "topk_ids", Elem::I32, {T, k}, "[T, k]"));
+    auto* weights = static_cast<float*>(t(topk_weights, "topk_weights", Elem::F32, {T, k}, "[T, k]"));
+    if (gpu_) {
+      Status st;
+      {
+        nb::gil_scoped_release release;
+        st = gpu_->route(reinterpret_cast<CUstream_st*>(stream), T, s, logits_bf16 ? LogitsDType::BF16 : LogitsDType::F32,
+                         b, ids, weights);
+      }
+      if (!st.ok()) throw Error("Router.route: " + st.message);
+      return;
+    }
+    std::vector<float> widened;
+    if (logits_bf16) {
+      widened.resize(size_t(T * E));
+      for (size_t i = 0; i < widened.size(); ++i) widened[i] = format::bf16_to_float(static_cast<const uint16_t*>(s)[i]);
+    }
+    const reference::Routing r =
+        reference::route(params_, T, E, logits_bf16 ? widened.data() : static_cast<const float*>(s), b);
+    std::memcpy(ids, r.ids.data(), r.ids.size() * sizeof(int32_t));
+    std::memcpy(weights, r.weights.data(), r.weights.size() * sizeof(float));
+  }
+
+ private:
+  RoutingParams params_;
+  int64_t num_experts_;
+  int device_ = 0;
+  std::unique_ptr<GpuRouter> gpu_;
+};
+
 // ---- host data out --------------------------------------------------------------------------------
 nb::dict weights_dict(const MoeProblem& p, std::vector<uint8_t>&& w13, std::vector<uint8_t>&& w13_scale,
                       std::vector<float>&& w13_scale_2, std::vector<float>&& w13_input_scale,
@@ -613,6 +671,12 @@ NB_MODULE(_fp4moe, m) {
         "whole 16-column blocks (host arrays).");
   m.def("_write_checkpoint_fixture", &write_checkpoint_fixture, "dir"_a, "family"_a, "format"_a, "num_shards"_a = 2,
         "Tests only: a small random checkpoint in dir; returns {layer: the canonical weights it must load as}.");
+
+  nb::class_<Router>(m, "Router", "Routing alone, over the experts of a problem ('cuda' or the 'cpu' reference).")
+      .def(nb::init<const MoeProblem&, const std::string&, int>(), "problem"_a, "device"_a, "device_index"_a = 0)
+      .def_prop_ro("device", &Router::device)
+      .def("route", &Router::route, "router_logits"_a, "routing_bias"_a.none(), "topk_ids"_a, "topk_weights"_a,
+           "stream"_a, "Top-k ids and weights into caller tensors (no allocation, no synchronisation on cuda).");
 
   nb::class_<Layer>(m, "Layer", "One prepared MoE layer on a device ('cuda' or the 'cpu' reference).")
       .def(nb::init<const MoeProblem&, const nb::dict&, const std::string&, int64_t, int, bool, bool>(), "problem"_a,

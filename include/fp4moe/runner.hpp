@@ -112,6 +112,31 @@ class MoeRunner {
 reference::MoeResult run_case_on_gpu(const io::MoeCase& c, double* ms = nullptr,
                                      std::optional<MoeTactic> tactic = std::nullopt);
 
+// Routing alone on the GPU (DESIGN.md §4): the top-k ids and weights of T tokens from router logits
+// over E experts, the same bits as MoeRunner::forward's routing. For expert parallelism, where every
+// rank routes over the whole layer's experts and then runs its own (RoutingParams::skip_foreign_ids).
+// No allocation, no host synchronisation, graph-capturable.
+class GpuRouter {
+ public:
+  // Throws fp4moe::Error for invalid params (as MoeProblem::validate), precomputed routing, E > 512,
+  // or no suitable GPU.
+  static std::unique_ptr<GpuRouter> create(const RoutingParams& params, int64_t num_experts, int device = -1);
+  // logits [T, E] (fp32 or bf16), bias [E] f32 or nullptr (deepseek_v3), topk_ids / topk_weights [T, k]:
+  // device pointers. Arguments are checked before the launch.
+  Status route(CUstream_st* stream, int64_t num_tokens, const void* logits, LogitsDType logits_dtype,
+               const float* bias, int32_t* topk_ids, float* topk_weights) const;
+  const RoutingParams& params() const { return params_; }
+  int64_t num_experts() const { return num_experts_; }
+  int device() const { return device_; }
+
+ private:
+  GpuRouter(const RoutingParams& params, int64_t num_experts, int device)
+      : params_(params), num_experts_(num_experts), device_(device) {}
+  RoutingParams params_;
+  int64_t num_experts_;
+  int device_;
+};
+
 // True when a CUDA device of compute capability 9.0 is visible and the library was built with CUDA.
 bool cuda_device_available(std::string* why_not = nullptr);
 

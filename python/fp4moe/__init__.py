@@ -20,7 +20,7 @@ bits. PyTorch ops (torch.compile, CUDA graphs) are in fp4moe.torch_ops.
 from . import _fp4moe
 from ._fp4moe import Error, Problem, __version__, cuda_device_available, preset, preset_names
 
-__all__ = ["Error", "MoeLayer", "Problem", "__version__", "cuda_device_available", "load_checkpoint_layer",
+__all__ = ["Error", "MoeLayer", "Problem", "Router", "__version__", "cuda_device_available", "load_checkpoint_layer",
            "preset", "preset_names", "random_case", "tensor_parallel_shard"]
 
 
@@ -190,6 +190,30 @@ class MoeLayer:
         handle = _stream_handle(stream, hidden_states) if self._workspace is not None else 0
         self._impl.forward(hidden_states, router_logits, routing_bias, topk_ids, topk_weights, output,
                            self._workspace, handle)
+
+
+class Router:
+    """Routing alone (DESIGN.md §4) over the experts of `problem` (its routing method, k, groups,
+    scaling): the whole layer's routing, which expert-parallel ranks share before each runs its own
+    experts. On "cuda" the same kernel and bits as MoeLayer's routing; on "cpu" the reference."""
+
+    def __init__(self, problem, *, device="cuda"):
+        kind, index = _parse_device(device)
+        self._impl = _fp4moe.Router(problem, kind, index)
+        self.problem = problem
+
+    @property
+    def device(self):
+        return self._impl.device
+
+    def __call__(self, router_logits, routing_bias=None, *, stream=None):
+        """(topk_ids [T, k] int32, topk_weights [T, k] float32), allocated like router_logits."""
+        tokens, k = router_logits.shape[0], self.problem.top_k
+        topk_ids = _empty(router_logits, (tokens, k), "int32")
+        topk_weights = _empty(router_logits, (tokens, k), "float32")
+        handle = 0 if self._impl.device == "cpu" else _stream_handle(stream, router_logits)
+        self._impl.route(router_logits, routing_bias, topk_ids, topk_weights, handle)
+        return topk_ids, topk_weights
 
 
 _BF16_BITS = ("hidden_states", "router_weight")  # host arrays holding bf16 as uint16 bits

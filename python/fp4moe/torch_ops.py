@@ -19,20 +19,20 @@ from typing import Optional
 
 import torch
 
-from . import Error, MoeLayer
+from . import Error, MoeLayer, Router
 
-_layers = weakref.WeakValueDictionary()  # handle -> MoeLayer
+_layers = weakref.WeakValueDictionary()  # handle -> MoeLayer or Router
 _handles = itertools.count(1)
 
 
-def register_layer(layer: MoeLayer) -> int:
-    """A handle for `layer` to pass to the ops (valid while the layer lives)."""
+def register_layer(layer) -> int:
+    """A handle for `layer` (an fp4moe.MoeLayer or fp4moe.Router) to pass to the ops (valid while it lives)."""
     handle = next(_handles)
     _layers[handle] = layer
     return handle
 
 
-def _layer(handle: int) -> MoeLayer:
+def _layer(handle: int):
     layer = _layers.get(handle)
     if layer is None:
         raise Error(f"fp4moe op: no live layer has handle {handle} (register it with fp4moe.torch_ops.register_layer)")
@@ -66,6 +66,19 @@ def _(layer, hidden_states, topk_ids, topk_weights):
     return hidden_states.new_empty((hidden_states.shape[0], _layer(layer).problem.hidden), dtype=torch.bfloat16)
 
 
+@torch.library.custom_op("fp4moe::route", mutates_args=())
+def route(router: int, router_logits: torch.Tensor,
+          routing_bias: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    return _layer(router)(router_logits, routing_bias)
+
+
+@route.register_fake
+def _(router, router_logits, routing_bias=None):
+    k = _layer(router).problem.top_k
+    return (router_logits.new_empty((router_logits.shape[0], k), dtype=torch.int32),
+            router_logits.new_empty((router_logits.shape[0], k), dtype=torch.float32))
+
+
 class FusedMoE(torch.nn.Module):
     """An NVFP4 MoE layer as a torch module (weights prepared once; see fp4moe.MoeLayer).
 
@@ -76,11 +89,13 @@ class FusedMoE(torch.nn.Module):
     Expert parallelism: give each rank its experts' weights (load_checkpoint_layer(..., ep_rank=,
     ep_size=), with the whole layer's "w13_input_scale_max"), its problem
     (problem.expert_parallel_rank(n_local)) and `expert_range=(begin, end)` of the whole layer's ids;
-    forward then takes the whole layer's topk_ids / topk_weights (routed by the caller), maps them to
-    this rank's experts (another rank's: -1, adding nothing) and, with `process_group`, all-reduces."""
+    forward then takes the whole layer's topk_ids / topk_weights, or, with `router_problem` (the whole
+    layer's problem: load_checkpoint_layer's "layer_problem"), router_logits that it routes itself
+    (torch.ops.fp4moe.route); it maps the ids to this rank's experts (another rank's: -1, adding
+    nothing) and, with `process_group`, all-reduces."""
 
     def __init__(self, problem, weights, *, device="cuda", max_tokens=8192, scales_swizzled=False,
-                 w13_up_gate=False, process_group=None, expert_range=None):
+                 w13_up_gate=False, process_group=None, expert_range=None, router_problem=None):
         super().__init__()
         self.process_group = process_group
         if expert_range is not None:
@@ -89,12 +104,16 @@ class FusedMoE(torch.nn.Module):
                 raise Error(f"FusedMoE: expert_range {expert_range} needs the rank's problem with {end - begin} "
                             "experts (problem.expert_parallel_rank(n_local))")
             expert_range = (begin, end)
+        elif router_problem is not None:
+            raise Error("FusedMoE: router_problem is for expert parallelism (with expert_range)")
         self.expert_range = expert_range
         self.layer = MoeLayer(problem, weights, device=device, max_tokens=max_tokens,
                               scales_swizzled=scales_swizzled, w13_up_gate=w13_up_gate)
         # NOTE: plain Python values only in forward, so that torch.compile traces it without a graph break.
         self.handle = register_layer(self.layer)
         self.precomputed = self.layer.problem.routing_method == "precomputed"
+        self.router = Router(router_problem, device=device) if router_problem is not None else None
+        self.router_handle = register_layer(self.router) if self.router is not None else 0
 
     @property
     def problem(self):
@@ -103,8 +122,11 @@ class FusedMoE(torch.nn.Module):
     def forward(self, hidden_states, router_logits=None, routing_bias=None, topk_ids=None, topk_weights=None,
                 return_routing=False):
         if self.precomputed:
+            if self.router is not None and router_logits is not None:  # the whole layer's routing
+                topk_ids, topk_weights = torch.ops.fp4moe.route(self.router_handle, router_logits, routing_bias)
             if topk_ids is None or topk_weights is None:
-                raise Error("FusedMoE: routing method precomputed needs topk_ids and topk_weights")
+                raise Error("FusedMoE: routing method precomputed needs topk_ids and topk_weights"
+                            + (" (or router_logits with router_problem)" if self.expert_range is not None else ""))
             local_ids = topk_ids
             if self.expert_range is not None:  # the whole layer's ids -> this rank's, another rank's -> -1
                 begin, end = self.expert_range

@@ -15,6 +15,12 @@ std::unique_ptr<MoeRunner> MoeRunner::create(const MoeProblem& problem, int64_t,
   unavailable("MoeRunner");
 }
 
+std::unique_ptr<GpuRouter> GpuRouter::create(const RoutingParams&, int64_t, int) { unavailable("GpuRouter"); }
+
+Status GpuRouter::route(CUstream_st*, int64_t, const void*, LogitsDType, const float*, int32_t*, float*) const {
+  return Status::failure("GpuRouter::route: fp4moe was built without CUDA");
+}
+
 bool cuda_device_available(std::string* why_not) {
   if (why_not) *why_not = "fp4moe was built without CUDA";
   return false;

@@ -293,3 +293,19 @@ def test_load_checkpoint_layer_expert_parallel(tmp_path):
     assert rank["layer_problem"].num_experts == full["problem"].num_experts
     assert rank["layer_problem"].routing_method == "deepseek_v3"
     assert rank["weights"]["w13_input_scale_max"] == full["weights"]["w13_input_scale_max"] > 0
+
+
+def test_router_gives_the_layers_routing():
+    problem = fp4moe.Problem(num_experts=32, hidden=256, inter=128, top_k=4, routing_method="deepseek_v3", n_group=4,
+                             topk_group=2, routed_scaling_factor=2.5)
+    case = fp4moe.random_case(problem, 21, seed=41)
+    _, ids, weights = fp4moe.MoeLayer(problem, case["weights"], device="cpu", max_tokens=32)(
+        case["hidden_states"], case["router_logits"], routing_bias=case["routing_bias"])
+    router = fp4moe.Router(problem, device="cpu")
+    got_ids, got_weights = router(case["router_logits"], case["routing_bias"])
+    np.testing.assert_array_equal(got_ids, ids)
+    np.testing.assert_array_equal(got_weights, weights)
+    with pytest.raises(fp4moe.Error, match="nothing to route"):
+        fp4moe.Router(problem.with_routing_method("precomputed"), device="cpu")
+    with pytest.raises(fp4moe.Error, match=r"router_logits: expected shape \[T, E\] = \[21, 32\], got \[21, 8\]"):
+        router(case["router_logits"][:, :8].copy())

@@ -180,3 +180,28 @@ def test_expert_parallel_ranks_on_the_gpu():
                         expert_range=(begin, end))
         total += rank(inputs["hidden_states"], topk_ids=ids, topk_weights=weights).float()
     assert torch.linalg.norm(total - out.float()) <= 5e-3 * torch.linalg.norm(out.float())
+
+
+def test_router_and_expert_parallel_ranks_that_route_themselves():
+    problem = PROBLEMS["deepseek_v3-groups"]
+    case = fp4moe.random_case(problem, 50, seed=15, framework="torch")
+    inputs = to_device(case)
+    logits, bias = inputs["router_logits"], inputs["routing_bias"]
+    cpu_ids, cpu_weights = fp4moe.Router(problem, device="cpu")(case["router_logits"], case["routing_bias"])
+    router = fp4moe.Router(problem, device=DEVICE)
+    ids, weights = router(logits, bias)
+    assert torch.equal(ids.cpu(), cpu_ids)
+    torch.testing.assert_close(weights.cpu(), cpu_weights, rtol=1e-6, atol=1e-30)
+    handle = register_layer(router)  # a weak registry: `router` keeps it alive
+    for dtype in (torch.float32, torch.bfloat16):
+        torch.library.opcheck(torch.ops.fp4moe.route.default, (handle, logits.to(dtype), bias))
+    whole = FusedMoE(problem, case["weights"], device=DEVICE, max_tokens=64)(inputs["hidden_states"], logits, bias)
+    total = torch.zeros_like(whole, dtype=torch.float32)
+    scale_max = float(case["weights"]["w13_input_scale"].max())
+    for begin, end in [(0, 16), (16, 32)]:
+        local = {name: value[begin:end] for name, value in case["weights"].items()}
+        local["w13_input_scale_max"] = scale_max
+        rank = FusedMoE(problem.expert_parallel_rank(end - begin), local, device=DEVICE, max_tokens=64,
+                        expert_range=(begin, end), router_problem=problem)
+        total += rank(inputs["hidden_states"], logits, bias).float()
+    assert torch.linalg.norm(total - whole.float()) <= 5e-3 * torch.linalg.norm(whole.float())
