@@ -12,6 +12,7 @@
 #include "fp4moe/checkpoint.hpp"
 #include "fp4moe/error.hpp"
 #include "fp4moe/presets.hpp"
+#include "fp4moe/weight_layout.hpp"
 
 namespace fp4moe::tools {
 std::vector<std::string> split_list(const std::string& s) {
@@ -63,6 +64,10 @@ void add_bench_command(CLI::App& app, BenchCommandOptions& o) {
   b->add_option("--tactic", o.tactic,
                 "Force a tactic, e.g. sm90_wgmma/t256/s1 or sm90_stream/t16/s1x4 (GEMM1 split 1 way along K, GEMM2 "
                 "4 ways; default: the runner's choice)");
+  b->add_option("--tp-size", o.tp_size,
+                "Tensor parallelism: time rank 0's layer of N ranks (its share of I in whole 16-column blocks; the "
+                "all-reduce of the ranks' outputs is not included)")
+      ->capture_default_str();
   b->add_flag("--no-refcheck", o.no_refcheck,
               "Skip the check of each row's output against the CPU reference (timing experiments only)");
   o.command = b;
@@ -73,11 +78,20 @@ int run_bench_command(const BenchCommandOptions& o) {
   const std::vector<int64_t> tokens = parse_tokens(o.tokens);
   const std::vector<std::string> models = split_list(o.models);
   check(models.empty() != o.checkpoint.empty(), "bench: give either --model PRESET[,PRESET] or --checkpoint DIR --layer L");
-  for (const auto& m : models) (void)preset(m, mode);  // unknown names fail before any GPU work
+  check(o.tp_size >= 1, "bench: --tp-size must be >= 1, got ", o.tp_size);
+  // The problem of tensor-parallel rank 0 (the whole problem when --tp-size is 1), and its row label.
+  auto rank_problem = [&](MoeProblem p) {
+    p.inter = io::tensor_parallel_range(p.inter, 0, o.tp_size).second;
+    return p;
+  };
+  const std::string tp_label = o.tp_size > 1 ? "/tp" + std::to_string(o.tp_size) : "";
+  for (const auto& m : models) (void)rank_problem(preset(m, mode));  // unknown names, bad splits: before any GPU work
   std::optional<io::MoeLayerWeights> layer;
   if (!o.checkpoint.empty()) {  // the checkpoint loads (and is checked) before any GPU work
     check(o.layer >= 0, "bench --checkpoint: --layer L (>= 0) is required");
-    layer = io::Checkpoint::open(o.checkpoint).load_layer(o.layer);
+    io::LoadOptions lo;
+    lo.tp_size = o.tp_size;
+    layer = io::Checkpoint::open(o.checkpoint).load_layer(o.layer, lo);
     layer->problem.act_quant = mode;
   }
 
@@ -100,11 +114,11 @@ int run_bench_command(const BenchCommandOptions& o) {
   std::printf("L2 flush before each replay: %s\n", std::string(to_string(opt.l2_flush)).c_str());
   std::vector<BenchRow> rows;
   for (const auto& m : models) {
-    auto r = bench_model(m, preset(m, mode), tokens, c, opt, true);
+    auto r = bench_model(m + tp_label, rank_problem(preset(m, mode)), tokens, c, opt, true);
     rows.insert(rows.end(), r.begin(), r.end());
   }
   if (layer) {
-    const std::string label = "layer " + std::to_string(o.layer);
+    const std::string label = "layer " + std::to_string(o.layer) + tp_label;
     std::fprintf(stderr, "bench %s of %s: %s\n", label.c_str(), o.checkpoint.c_str(), layer->problem.describe().c_str());
     rows = bench_weights(label, layer->problem, layer->weights(), tokens, c, opt, true);
   }

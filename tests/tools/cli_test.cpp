@@ -101,6 +101,15 @@ TEST(Cli, BenchAndTuneRejectAnUnknownL2Flush) {
   }
 }
 
+TEST(Cli, BenchTensorParallelSplitIsCheckedBeforeAnyGpuWork) {
+  const CliRun r = cli("bench --model gpt-oss-120b --tokens 1 --tp-size 181");  // I = 2880: 180 blocks of 16
+  EXPECT_EQ(r.status, 2);
+  EXPECT_THAT(r.output, HasSubstr("at least tp_size = 181 blocks of 16"));
+  const CliRun zero = cli("bench --model tiny --tokens 1 --tp-size 0");
+  EXPECT_EQ(zero.status, 2);
+  EXPECT_THAT(zero.output, HasSubstr("--tp-size must be >= 1, got 0"));
+}
+
 TEST(Cli, BenchHelpNamesBothL2Flushes) {
   const CliRun r = cli("bench --help");
   EXPECT_EQ(r.status, 0);
