@@ -18,6 +18,7 @@
 
 #include "fp4moe/runner.hpp"
 #include "kernels/launch.hpp"
+#include "runner/hopper_device.hpp"
 
 namespace fp4moe {
 namespace {
@@ -527,13 +528,7 @@ std::unique_ptr<MoeRunner> MoeRunner::create(const MoeProblem& problem, int64_t 
         problem.num_experts);
   check(max_tokens * problem.top_k() < (int64_t(1) << 31), "MoeRunner::create: max_tokens * top_k must fit int32, got ",
         max_tokens * problem.top_k());
-  std::string why;
-  check(cuda_device_available(&why), "MoeRunner::create: ", why);
-  if (device < 0) check(cudaGetDevice(&device) == cudaSuccess, "MoeRunner::create: cudaGetDevice failed");
-  cudaDeviceProp prop{};
-  check(cudaGetDeviceProperties(&prop, device) == cudaSuccess, "MoeRunner::create: no CUDA device ", device);
-  check(prop.major == 9 && prop.minor == 0, "MoeRunner::create: device ", device, " (", prop.name,
-        ") has compute capability ", prop.major, ".", prop.minor, "; fp4moe's kernels are built for sm_90a (Hopper)");
+  const cudaDeviceProp prop = require_hopper_device(device, "MoeRunner::create");
   DeviceKey key;
   key.fp4moe_version = std::string(fp4moe_version());
   key.gpu_name = prop.name;

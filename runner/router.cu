@@ -7,6 +7,7 @@
 
 #include "fp4moe/runner.hpp"
 #include "kernels/launch.hpp"
+#include "runner/hopper_device.hpp"
 
 namespace fp4moe {
 
@@ -19,13 +20,7 @@ std::unique_ptr<GpuRouter> GpuRouter::create(const RoutingParams& params, int64_
   routing_only.routing = params;
   routing_only.validate();
   check(num_experts <= 512, "GpuRouter::create: the GPU routing supports up to 512 experts, got E=", num_experts);
-  std::string why;
-  check(cuda_device_available(&why), "GpuRouter::create: ", why);
-  if (device < 0) check(cudaGetDevice(&device) == cudaSuccess, "GpuRouter::create: cudaGetDevice failed");
-  cudaDeviceProp prop{};
-  check(cudaGetDeviceProperties(&prop, device) == cudaSuccess, "GpuRouter::create: no CUDA device ", device);
-  check(prop.major == 9 && prop.minor == 0, "GpuRouter::create: device ", device, " (", prop.name,
-        ") has compute capability ", prop.major, ".", prop.minor, "; fp4moe's kernels are built for sm_90a (Hopper)");
+  require_hopper_device(device, "GpuRouter::create");
   return std::unique_ptr<GpuRouter>(new GpuRouter(params, num_experts, device));
 }
 

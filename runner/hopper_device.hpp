@@ -1,0 +1,26 @@
+// runner/hopper_device.hpp — the device checks of MoeRunner::create and GpuRouter::create.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <string>
+
+#include "fp4moe/error.hpp"
+#include "fp4moe/runner.hpp"
+
+namespace fp4moe {
+
+// Resolves `device` (< 0: the current device) and checks that it is an sm_90 GPU; returns its
+// properties. Throws fp4moe::Error beginning with `who` otherwise.
+inline cudaDeviceProp require_hopper_device(int& device, const char* who) {
+  std::string why;
+  check(cuda_device_available(&why), who, ": ", why);
+  if (device < 0) check(cudaGetDevice(&device) == cudaSuccess, who, ": cudaGetDevice failed");
+  cudaDeviceProp prop{};
+  check(cudaGetDeviceProperties(&prop, device) == cudaSuccess, who, ": no CUDA device ", device);
+  check(prop.major == 9 && prop.minor == 0, who, ": device ", device, " (", prop.name, ") has compute capability ",
+        prop.major, ".", prop.minor, "; fp4moe's kernels are built for sm_90a (Hopper)");
+  return prop;
+}
+
+}  // namespace fp4moe
