@@ -1,0 +1,300 @@
+// python/layer.hpp — the extension's layer and router: MoeLayer's weights checked and prepared once
+// (HostWeights, Layer), and the forward and the routing into caller tensors, on a Hopper GPU
+// (MoeRunner, GpuRouter) or on the CPU reference. Part of the extension fp4moe._fp4moe
+// (python/module.cpp).
+//
+//   Layer(problem, weights, device, max_tokens, ...)   checks and prepares the weights (host arrays)
+//   Layer.forward(hidden, logits, bias, ids, weights, output, workspace, stream)
+//       every tensor comes from the caller, outputs and workspace included: the forward allocates
+//       nothing and never synchronises, and captures into a CUDA graph like MoeRunner::forward.
+#pragma once
+
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+
+#include <cstring>
+#include <memory>
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "fp4moe/error.hpp"
+#include "fp4moe/format.hpp"
+#include "fp4moe/reference.hpp"
+#include "fp4moe/runner.hpp"
+#include "fp4moe/tactic.hpp"
+#include "fp4moe/weight_layout.hpp"
+#include "python/dlpack_tensors.hpp"
+
+namespace fp4moe::python {
+
+// ---- the layer -------------------------------------------------------------------------------------
+// The weights of DESIGN.md §3 as host arrays, checked against the problem; views, valid while the
+// dict's arrays live.
+struct HostWeights {
+  reference::MoeWeights view;
+
+  HostWeights(const MoeProblem& p, const nb::dict& weights, const WeightPrepOptions& options,
+              const std::string& where = "Layer: weights") {
+    const int64_t E = p.num_experts, H = p.hidden, I = p.inter, N13 = p.w13_rows();
+    const bool w4a4 = p.act_quant != ActQuant::W4A16;
+    const TensorCheck host{where, false, 0};
+    static const std::set<std::string> known = {"w13", "w13_scale", "w13_scale_2", "w13_input_scale",
+                                                "w2",  "w2_scale",  "w2_scale_2",  "w2_input_scale",
+                                                "w13_input_scale_max"};
+    for (auto [key, value] : weights) {
+      const std::string k = nb::cast<std::string>(key);
+      check(known.count(k) == 1, where, ": unknown key '", k, "' (expected w13, w13_scale, w13_scale_2, ",
+            "w13_input_scale, w2, w2_scale, w2_scale_2, w2_input_scale, w13_input_scale_max)");
+    }
+    auto get = [&](const char* name, bool required) -> std::optional<InArray> {
+      if (!weights.contains(name)) {
+        check(!required, where, ": '", name, "' is missing",
+              std::strstr(name, "input") ? " (act_quant " + std::string(to_string(p.act_quant)) + " needs it)" : "");
+        return std::nullopt;
+      }
+      const nb::object value = weights[name];
+      InArray a;
+      if (!nb::try_cast(value, a, false))
+        throw Error(detail::concat(where, ": '", name, "' is not an array (DLPack or the buffer protocol), got ",
+                                   nb::cast<std::string>(nb::str(value.type()))));
+      return a;
+    };
+    // Block scales: linear [rows..., cols/16], or the 128x4-swizzled bytes of fp4moe/format.hpp.
+    auto scales = [&](const char* name, int64_t rows, int64_t cols, const char* symbolic) -> const uint8_t* {
+      const InArray a = *get(name, true);
+      if (!options.scales_swizzled)
+        return static_cast<const uint8_t*>(host(a, name, Elem::E4M3, {E, rows, cols / 16}, symbolic));
+      const int64_t bytes = format::swizzled_scales_size(E, rows, cols / 16);
+      check(matches(a.dtype(), Elem::E4M3) && int64_t(a.size()) == bytes, where, ": ", name,
+            ": scales_swizzled expects ", bytes, " float8_e4m3fn / uint8 elements (the 128x4-swizzled layout of [E, ",
+            rows, ", ", cols / 16, "]), got ", a.size(), " of ", dtype_name(a.dtype()));
+      host.check_layout(a, name);
+      check(a.device_type() == kDLCPU || a.device_type() == kDLCUDAHost, where, ": ", name,
+            ": expected a host tensor, got ", device_name(a.device_type(), a.device_id()));
+      return static_cast<const uint8_t*>(a.data());
+    };
+    auto per_expert = [&](const char* name, bool required) -> const float* {
+      const std::optional<InArray> a = get(name, required);
+      return a ? static_cast<const float*>(host(*a, name, Elem::F32, {E}, "[E]")) : nullptr;
+    };
+    view.w13 = static_cast<const uint8_t*>(host(*get("w13", true), "w13", Elem::Packed, {E, N13, H / 2}, "[E, w13_rows, H/2]"));
+    view.w13_scale = scales("w13_scale", N13, H, "[E, w13_rows, H/16]");
+    view.w13_scale_2 = per_expert("w13_scale_2", true);
+    view.w13_input_scale = per_expert("w13_input_scale", w4a4);
+    view.w2 = static_cast<const uint8_t*>(host(*get("w2", true), "w2", Elem::Packed, {E, H, I / 2}, "[E, H, I/2]"));
+    view.w2_scale = scales("w2_scale", H, I, "[E, H, I/16]");
+    view.w2_scale_2 = per_expert("w2_scale_2", true);
+    view.w2_input_scale = per_expert("w2_input_scale", w4a4);
+    if (weights.contains("w13_input_scale_max")) {  // a number: the whole layer's (expert parallelism)
+      const nb::object v = weights["w13_input_scale_max"];
+      if (!nb::try_cast(v, view.w13_input_scale_max, true))
+        throw Error(detail::concat(where, ": 'w13_input_scale_max' must be a number, got ",
+                                   nb::cast<std::string>(nb::str(v.type()))));
+    }
+  }
+};
+
+class Layer {
+ public:
+  Layer(const MoeProblem& problem, const nb::dict& weights, const std::string& device, int64_t max_tokens,
+        int device_index, bool scales_swizzled, bool w13_up_gate)
+      : problem_(problem), max_tokens_(max_tokens) {
+    problem_.validate();
+    check(device == "cpu" || device == "cuda", "Layer: device must be 'cpu' or 'cuda', got '", device, "'");
+    check(max_tokens >= 0, "Layer: max_tokens must be >= 0, got ", max_tokens);
+    const WeightPrepOptions options{scales_swizzled, w13_up_gate};
+    const HostWeights host(problem_, weights, options);
+    if (device == "cuda") {
+      check(device_index >= 0, "Layer: device_index must name a CUDA device (>= 0), got ", device_index);
+      device_ = device_index;
+      runner_ = MoeRunner::create(problem_, max_tokens, device_index);
+      Status s;
+      {
+        nb::gil_scoped_release release;
+        s = runner_->prepare_weights(host.view, options);
+      }
+      if (!s.ok()) throw Error("Layer: " + s.message);
+      return;
+    }
+    // CPU reference: keep a canonical copy (the caller's arrays may go away).
+    io::CanonicalExpertWeights c;
+    try {
+      c = io::canonical_expert_weights(problem_, host.view, options);
+    } catch (const Error& e) {
+      throw Error(std::string("Layer: ") + e.what());
+    }
+    const int64_t E = problem_.num_experts;
+    w13_ = std::move(c.w13);
+    w13_scale_ = std::move(c.w13_scale);
+    w2_scale_ = std::move(c.w2_scale);
+    w2_.assign(host.view.w2, host.view.w2 + E * problem_.hidden * problem_.inter / 2);
+    auto copy = [E](const float* v) { return v ? std::vector<float>(v, v + E) : std::vector<float>(E, 1.0f); };
+    w13_scale_2_ = copy(host.view.w13_scale_2);
+    w2_scale_2_ = copy(host.view.w2_scale_2);
+    w13_input_scale_ = copy(host.view.w13_input_scale);
+    w2_input_scale_ = copy(host.view.w2_input_scale);
+    w13_input_scale_max_ = host.view.w13_input_scale_max;
+  }
+
+  const MoeProblem& problem() const { return problem_; }
+  int64_t max_tokens() const { return max_tokens_; }
+  std::string device() const { return runner_ ? "cuda:" + std::to_string(device_) : "cpu"; }
+  size_t workspace_size() const { return runner_ ? runner_->workspace_size(max_tokens_) : 0; }
+
+  std::string tactic(int64_t num_tokens) const {
+    check(runner_ != nullptr, "Layer.tactic: the cpu layer runs the reference and has no tactic");
+    return describe(runner_->tactic_for(num_tokens));
+  }
+  void use_tune_cache(const std::string& path) {
+    check(runner_ != nullptr, "Layer.use_tune_cache: the cpu layer runs the reference and has no tactic");
+    runner_->use_tune_cache(path);
+  }
+
+  void forward(const InArray& hidden, const std::optional<InArray>& logits, const std::optional<InArray>& bias,
+               const Array& topk_ids, const Array& topk_weights, const Array& output,
+               const std::optional<Array>& workspace, uintptr_t stream) {
+    const MoeProblem& p = problem_;
+    const bool routed = p.routing.method == RoutingMethod::Precomputed;
+    const TensorCheck t{"Layer.forward", runner_ != nullptr, device_};
+    check(hidden.ndim() == 2, "Layer.forward: hidden_states: expected shape [T, H], got ", shape_of(hidden));
+    const int64_t T = int64_t(hidden.shape(0)), E = p.num_experts, H = p.hidden, k = p.top_k();
+    check(T <= max_tokens_, "Layer.forward: hidden_states: T = ", T, " exceeds the layer's max_tokens = ", max_tokens_);
+    const void* x = t(hidden, "hidden_states", Elem::BF16, {T, H}, "[T, H]");
+    check(routed != logits.has_value(), "Layer.forward: ",
+          routed ? "routing method precomputed takes topk_ids and topk_weights, not router_logits"
+                 : "router_logits is required (routing method " + std::string(to_string(p.routing.method)) + ")");
+    const void* s = logits ? t(*logits, "router_logits", Elem::Logits, {T, E}, "[T, E]") : nullptr;
+    const bool logits_bf16 = logits && !matches(logits->dtype(), Elem::F32);
+    check(!bias || p.routing.method == RoutingMethod::DeepSeekV3,
+          "Layer.forward: routing_bias is only used by deepseek_v3 routing, got method ", to_string(p.routing.method));
+    const float* b = bias ? static_cast<const float*>(t(*bias, "routing_bias", Elem::F32, {E}, "[E]")) : nullptr;
+    auto* ids = static_cast<int32_t*>(t(topk_ids, "topk_ids", Elem::I32, {T, k}, "[T, k]"));
+    auto* weights = static_cast<float*>(t(topk_weights, "topk_weights", Elem::F32, {T, k}, "[T, k]"));
+    void* out = t(output, "output", Elem::BF16, {T, H}, "[T, H]");
+
+    if (runner_) {
+      check(workspace.has_value(), "Layer.forward: workspace is required on cuda (workspace_size() = ",
+            workspace_size(), " bytes)");
+      const int64_t ws_bytes = int64_t(workspace->nbytes());
+      void* ws = t(*workspace, "workspace", Elem::Bytes, {ws_bytes}, "[workspace_size()]");
+      ForwardArgs a;
+      a.num_tokens = T;
+      a.hidden = x;
+      a.router_logits = s;
+      a.logits_dtype = logits_bf16 ? LogitsDType::BF16 : LogitsDType::F32;
+      a.routing_bias = b;
+      a.topk_ids = ids;
+      a.topk_weights = weights;
+      a.output = out;
+      a.workspace = ws;
+      a.workspace_bytes = size_t(ws_bytes);
+      Status st;
+      {
+        nb::gil_scoped_release release;
+        auto* cu_stream = reinterpret_cast<CUstream_st*>(stream);
+        st = routed ? runner_->forward_routed(cu_stream, a) : runner_->forward(cu_stream, a);
+      }
+      if (!st.ok()) throw Error("Layer.forward: " + st.message);
+      return;
+    }
+
+    // The CPU reference (DESIGN.md §1), with the caller's routing when precomputed.
+    std::vector<float> logits_f32;
+    if (logits_bf16) {
+      logits_f32.resize(size_t(T * E));
+      const auto* bits = static_cast<const uint16_t*>(s);
+      for (size_t i = 0; i < logits_f32.size(); ++i) logits_f32[i] = format::bf16_to_float(bits[i]);
+    }
+    reference::RouterInput router;
+    router.logits = logits_bf16 ? logits_f32.data() : static_cast<const float*>(s);
+    router.bias = b;
+    if (routed) {
+      router.topk_ids = ids;
+      router.topk_weights = weights;
+    }
+    reference::MoeWeights w{w13_.data(), w13_scale_.data(), w13_scale_2_.data(), w13_input_scale_.data(),
+                            w2_.data(),  w2_scale_.data(),  w2_scale_2_.data(),  w2_input_scale_.data(),
+                            w13_input_scale_max_};
+    reference::MoeResult r;
+    {
+      nb::gil_scoped_release release;
+      r = reference::moe_forward(p, T, static_cast<const uint16_t*>(x), router, w);
+    }
+    std::memcpy(out, r.output.data(), r.output.size() * sizeof(uint16_t));
+    if (!routed) {
+      std::memcpy(ids, r.topk_ids.data(), r.topk_ids.size() * sizeof(int32_t));
+      std::memcpy(weights, r.topk_weights.data(), r.topk_weights.size() * sizeof(float));
+    }
+  }
+
+ private:
+  MoeProblem problem_;
+  int64_t max_tokens_ = 0;
+  int device_ = 0;
+  std::unique_ptr<MoeRunner> runner_;  // cuda
+  std::vector<uint8_t> w13_, w13_scale_, w2_, w2_scale_;  // cpu: canonical layout
+  std::vector<float> w13_scale_2_, w13_input_scale_, w2_scale_2_, w2_input_scale_;
+  float w13_input_scale_max_ = 0.0f;
+};
+
+// Routing alone (expert parallelism: every rank routes over the whole layer's experts): GpuRouter on
+// cuda, reference::route on the cpu.
+class Router {
+ public:
+  Router(const MoeProblem& problem, const std::string& device, int device_index)
+      : params_(problem.routing), num_experts_(problem.num_experts) {
+    check(device == "cpu" || device == "cuda", "Router: device must be 'cpu' or 'cuda', got '", device, "'");
+    check(params_.method != RoutingMethod::Precomputed, "Router: routing method precomputed has nothing to route");
+    problem.validate();
+    if (device == "cuda") {
+      check(device_index >= 0, "Router: device_index must name a CUDA device (>= 0), got ", device_index);
+      device_ = device_index;
+      gpu_ = GpuRouter::create(params_, num_experts_, device_index);
+    }
+  }
+
+  std::string device() const { return gpu_ ? "cuda:" + std::to_string(device_) : "cpu"; }
+
+  void route(const InArray& logits, const std::optional<InArray>& bias, const Array& topk_ids,
+             const Array& topk_weights, uintptr_t stream) const {
+    const TensorCheck t{"Router.route", gpu_ != nullptr, device_};
+    check(logits.ndim() == 2, "Router.route: router_logits: expected shape [T, E], got ", shape_of(logits));
+    const int64_t T = int64_t(logits.shape(0)), E = num_experts_, k = params_.top_k;
+    const void* s = t(logits, "router_logits", Elem::Logits, {T, E}, "[T, E]");
+    const bool logits_bf16 = !matches(logits.dtype(), Elem::F32);
+    check(!bias || params_.method == RoutingMethod::DeepSeekV3,
+          "Router.route: routing_bias is only used by deepseek_v3 routing, got method ", to_string(params_.method));
+    const float* b = bias ? static_cast<const float*>(t(*bias, "routing_bias", Elem::F32, {E}, "[E]")) : nullptr;
+    auto* ids = static_cast<int32_t*>(t(topk_ids, "topk_ids", Elem::I32, {T, k}, "[T, k]"));
+    auto* weights = static_cast<float*>(t(topk_weights, "topk_weights", Elem::F32, {T, k}, "[T, k]"));
+    if (gpu_) {
+      Status st;
+      {
+        nb::gil_scoped_release release;
+        st = gpu_->route(reinterpret_cast<CUstream_st*>(stream), T, s, logits_bf16 ? LogitsDType::BF16 : LogitsDType::F32,
+                         b, ids, weights);
+      }
+      if (!st.ok()) throw Error("Router.route: " + st.message);
+      return;
+    }
+    std::vector<float> widened;
+    if (logits_bf16) {
+      widened.resize(size_t(T * E));
+      for (size_t i = 0; i < widened.size(); ++i) widened[i] = format::bf16_to_float(static_cast<const uint16_t*>(s)[i]);
+    }
+    const reference::Routing r =
+        reference::route(params_, T, E, logits_bf16 ? widened.data() : static_cast<const float*>(s), b);
+    std::memcpy(ids, r.ids.data(), r.ids.size() * sizeof(int32_t));
+    std::memcpy(weights, r.weights.data(), r.weights.size() * sizeof(float));
+  }
+
+ private:
+  RoutingParams params_;
+  int64_t num_experts_;
+  int device_ = 0;
+  std::unique_ptr<GpuRouter> gpu_;
+};
+
+}  // namespace fp4moe::python
