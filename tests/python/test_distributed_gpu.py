@@ -1,0 +1,69 @@
+"""Tensor and expert parallelism over two GPUs (ctest label gpu; skipped on a machine with one GPU): two
+processes, one rank each, NCCL all-reduce through FusedMoE(process_group=), against the whole layer on
+one GPU."""
+
+import os
+
+import pytest
+
+import fp4moe
+
+torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available() or torch.cuda.device_count() < 2 or not fp4moe.cuda_device_available()[0]:
+    pytest.skip("needs two sm_90 GPUs", allow_module_level=True)
+
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+from fp4moe.torch_ops import FusedMoE  # noqa: E402
+
+TOKENS = 40
+
+
+def problem():
+    return fp4moe.Problem(num_experts=32, hidden=512, inter=256, top_k=4, routing_method="deepseek_v3", n_group=4,
+                          topk_group=2, routed_scaling_factor=2.5, act_quant="w4a4_scalar")
+
+
+def run_rank(rank, mode, init_file, result_file):
+    torch.cuda.set_device(rank)
+    device = f"cuda:{rank}"
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", world_size=2, rank=rank,
+                            device_id=torch.device(device))
+    try:
+        p = problem()
+        case = fp4moe.random_case(p, TOKENS, seed=17, framework="torch")  # the same case on both ranks
+        x = case["hidden_states"].to(device)
+        logits, bias = case["router_logits"].to(device), case["routing_bias"].to(device)
+        if mode == "tp":
+            shard = fp4moe.tensor_parallel_shard(p, case["weights"], rank, 2, framework="torch")
+            moe = FusedMoE(shard["problem"], shard["weights"], device=device, max_tokens=64,
+                           process_group=dist.group.WORLD)
+        else:
+            begin, end = 16 * rank, 16 * (rank + 1)
+            local = {name: value[begin:end] for name, value in case["weights"].items()}
+            local["w13_input_scale_max"] = float(case["weights"]["w13_input_scale"].max())
+            moe = FusedMoE(p.expert_parallel_rank(16), local, device=device, max_tokens=64,
+                           expert_range=(begin, end), router_problem=p, process_group=dist.group.WORLD)
+        out = moe(x, logits, bias)
+        torch.cuda.synchronize()
+        if rank == 0:
+            torch.save(out.cpu(), result_file)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("mode", ["tp", "ep"])
+def test_two_ranks_sum_to_the_layer(tmp_path, mode):
+    result = tmp_path / "out.pt"
+    mp.spawn(run_rank, args=(mode, str(tmp_path / "pg"), str(result)), nprocs=2, join=True)
+    assert os.path.exists(result)
+    p = problem()
+    case = fp4moe.random_case(p, TOKENS, seed=17, framework="torch")
+    whole = FusedMoE(p, case["weights"], device="cuda:0", max_tokens=64)(
+        case["hidden_states"].to("cuda:0"), case["router_logits"].to("cuda:0"), case["routing_bias"].to("cuda:0"))
+    got = torch.load(result).float()
+    want = whole.float().cpu()
+    assert torch.linalg.norm(got - want) <= 5e-3 * torch.linalg.norm(want), mode
