@@ -155,6 +155,9 @@ class MoeLayer:
     def max_tokens(self):
         return self._impl.max_tokens
 
+    def __repr__(self):
+        return f"fp4moe.MoeLayer({self.problem.describe()}, device={self.device}, max_tokens={self.max_tokens})"
+
     def tactic(self, num_tokens):
         """The expert-GEMM tactic a forward of num_tokens tokens uses (cuda layers)."""
         return self._impl.tactic(num_tokens)
@@ -205,6 +208,9 @@ class Router:
     @property
     def device(self):
         return self._impl.device
+
+    def __repr__(self):
+        return f"fp4moe.Router({self.problem.describe()}, device={self.device})"
 
     def __call__(self, router_logits, routing_bias=None, *, stream=None):
         """(topk_ids [T, k] int32, topk_weights [T, k] float32), allocated like router_logits."""

@@ -79,7 +79,7 @@ def test_cpu_layer_matches_numpy_model(tokens):
     problem = fp4moe.preset("tiny")
     case = fp4moe.random_case(problem, tokens, seed=100 + tokens)
     layer = fp4moe.MoeLayer(problem, case["weights"], device="cpu", max_tokens=64)
-    assert layer.device == "cpu" and layer.max_tokens == 64
+    assert layer.device == "cpu" and layer.max_tokens == 64 and "E=8 H=256 I=128" in repr(layer)
     output, ids, weights = layer(case["hidden_states"], case["router_logits"])
     assert output.dtype == np.uint16 and output.shape == (tokens, problem.hidden)
     ref_out, ref_ids, ref_weights = numpy_moe_w4a16(problem, case)
