@@ -63,7 +63,7 @@ constexpr int kMinTileRows = 16;
 // Offsets of the workspace regions for a given max token count.
 struct WorkspacePlan {
   size_t expert_offsets, row_to_entry, entry_to_row, tile_expert, tile_row_start, num_tiles;
-  size_t permute_scratch, a1, act, y, error_count, split1, split2, finalize_counters, tile_ready;
+  size_t permute_scratch, a1, act, y, split1, split2, finalize_counters, tile_ready;
   size_t total;
   int64_t max_tiles;
 
@@ -84,7 +84,6 @@ struct WorkspacePlan {
     a1 = take(sizeof(__nv_bfloat16) * entries * p.hidden);
     act = take(sizeof(__nv_bfloat16) * entries * p.inter);
     y = take(sizeof(float) * entries * p.hidden);
-    error_count = take(sizeof(int32_t));
     split1 = take(split1_bytes);
     split2 = take(split2_bytes);
     finalize_counters = take(sizeof(int32_t) * kernels::gemm2_finalize_counter_count(max_tokens, p.hidden));

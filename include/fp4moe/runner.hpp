@@ -69,8 +69,9 @@ class MoeRunner {
 
   // Routing from logits, then the layer. Arguments are checked before any launch.
   virtual Status forward(CUstream_st* stream, const ForwardArgs& args) = 0;
-  // The layer from precomputed topk_ids / topk_weights (expert ids are range-checked on the device:
-  // an out-of-range id makes the forward report an error through the next status check).
+  // The layer from precomputed topk_ids / topk_weights. An id outside [0, E) has no GEMM row: it makes
+  // its token's output row NaN (bad input poisons only its own token), or, with
+  // RoutingParams::skip_foreign_ids (expert parallelism: another rank's expert), adds nothing.
   virtual Status forward_routed(CUstream_st* stream, const ForwardArgs& args) = 0;
 
   // Diagnostics (benchmarks): forward (routed=false) or forward_routed (routed=true) that records
