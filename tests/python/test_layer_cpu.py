@@ -309,3 +309,11 @@ def test_router_gives_the_layers_routing():
         fp4moe.Router(problem.with_routing_method("precomputed"), device="cpu")
     with pytest.raises(fp4moe.Error, match=r"router_logits: expected shape \[T, E\] = \[21, 32\], got \[21, 8\]"):
         router(case["router_logits"][:, :8].copy())
+
+
+def test_package_has_type_stubs():
+    from pathlib import Path
+    package = Path(fp4moe.__file__).parent
+    assert (package / "py.typed").exists()
+    stub = (package / "_fp4moe.pyi").read_text()
+    assert "class MoeLayer" not in stub and "class Layer" in stub and "def preset(" in stub
