@@ -30,6 +30,15 @@
 namespace fp4moe::python {
 
 // ---- the layer -------------------------------------------------------------------------------------
+// Router logits for the CPU reference: the fp32 values as given, or n bf16 values widened (exactly)
+// into `widened`.
+inline const float* logits_as_f32(const void* logits, bool bf16, size_t n, std::vector<float>& widened) {
+  if (!bf16) return static_cast<const float*>(logits);
+  widened.resize(n);
+  for (size_t i = 0; i < n; ++i) widened[i] = format::bf16_to_float(static_cast<const uint16_t*>(logits)[i]);
+  return widened.data();
+}
+
 // The weights of DESIGN.md §3 as host arrays, checked against the problem; views, valid while the
 // dict's arrays live.
 struct HostWeights {
@@ -201,14 +210,9 @@ class Layer {
     }
 
     // The CPU reference (DESIGN.md §1), with the caller's routing when precomputed.
-    std::vector<float> logits_f32;
-    if (logits_bf16) {
-      logits_f32.resize(size_t(T * E));
-      const auto* bits = static_cast<const uint16_t*>(s);
-      for (size_t i = 0; i < logits_f32.size(); ++i) logits_f32[i] = format::bf16_to_float(bits[i]);
-    }
+    std::vector<float> widened;
     reference::RouterInput router;
-    router.logits = logits_bf16 ? logits_f32.data() : static_cast<const float*>(s);
+    router.logits = s ? logits_as_f32(s, logits_bf16, size_t(T * E), widened) : nullptr;
     router.bias = b;
     if (routed) {
       router.topk_ids = ids;
@@ -280,12 +284,7 @@ class Router {
       return;
     }
     std::vector<float> widened;
-    if (logits_bf16) {
-      widened.resize(size_t(T * E));
-      for (size_t i = 0; i < widened.size(); ++i) widened[i] = format::bf16_to_float(static_cast<const uint16_t*>(s)[i]);
-    }
-    const reference::Routing r =
-        reference::route(params_, T, E, logits_bf16 ? widened.data() : static_cast<const float*>(s), b);
+    const reference::Routing r = reference::route(params_, T, E, logits_as_f32(s, logits_bf16, size_t(T * E), widened), b);
     std::memcpy(ids, r.ids.data(), r.ids.size() * sizeof(int32_t));
     std::memcpy(weights, r.weights.data(), r.weights.size() * sizeof(float));
   }

@@ -32,21 +32,22 @@ namespace fp4moe::python {
 namespace {
 
 // ---- host data out --------------------------------------------------------------------------------
-nb::dict weights_dict(const MoeProblem& p, std::vector<uint8_t>&& w13, std::vector<uint8_t>&& w13_scale,
-                      std::vector<float>&& w13_scale_2, std::vector<float>&& w13_input_scale,
-                      std::vector<uint8_t>&& w2, std::vector<uint8_t>&& w2_scale, std::vector<float>&& w2_scale_2,
-                      std::vector<float>&& w2_input_scale, float w13_input_scale_max = 0.0f) {
+// The expert tensors of `w` (io::MoeCase, io::MoeLayerWeights or io::TensorParallelShard: the same field
+// names), moved out of it into host arrays shaped by `p`.
+template <typename Weights>
+nb::dict weights_dict(const MoeProblem& p, Weights& w) {
   const size_t E = size_t(p.num_experts), H = size_t(p.hidden), I = size_t(p.inter), N13 = size_t(p.w13_rows());
   nb::dict d;
-  d["w13"] = to_array(std::move(w13), {E, N13, H / 2});
-  d["w13_scale"] = to_array(std::move(w13_scale), {E, N13, H / 16});  // e4m3 bits
-  d["w13_scale_2"] = to_array(std::move(w13_scale_2), {E});
-  d["w13_input_scale"] = to_array(std::move(w13_input_scale), {E});
-  d["w2"] = to_array(std::move(w2), {E, H, I / 2});
-  d["w2_scale"] = to_array(std::move(w2_scale), {E, H, I / 16});  // e4m3 bits
-  d["w2_scale_2"] = to_array(std::move(w2_scale_2), {E});
-  d["w2_input_scale"] = to_array(std::move(w2_input_scale), {E});
-  if (w13_input_scale_max > 0.0f) d["w13_input_scale_max"] = w13_input_scale_max;
+  d["w13"] = to_array(std::move(w.w13), {E, N13, H / 2});
+  d["w13_scale"] = to_array(std::move(w.w13_scale), {E, N13, H / 16});  // e4m3 bits
+  d["w13_scale_2"] = to_array(std::move(w.w13_scale_2), {E});
+  d["w13_input_scale"] = to_array(std::move(w.w13_input_scale), {E});
+  d["w2"] = to_array(std::move(w.w2), {E, H, I / 2});
+  d["w2_scale"] = to_array(std::move(w.w2_scale), {E, H, I / 16});  // e4m3 bits
+  d["w2_scale_2"] = to_array(std::move(w.w2_scale_2), {E});
+  d["w2_input_scale"] = to_array(std::move(w.w2_input_scale), {E});
+  if constexpr (requires { w.w13_input_scale_max; })
+    if (w.w13_input_scale_max > 0.0f) d["w13_input_scale_max"] = w.w13_input_scale_max;
   return d;
 }
 
@@ -55,9 +56,7 @@ nb::dict random_case(const MoeProblem& p, int64_t num_tokens, uint64_t seed) {
   io::MoeCase c = io::make_random_packed_case(p, num_tokens, seed);
   const size_t T = size_t(num_tokens), E = size_t(p.num_experts), H = size_t(p.hidden), k = size_t(p.top_k());
   nb::dict d;
-  d["weights"] = weights_dict(p, std::move(c.w13), std::move(c.w13_scale), std::move(c.w13_scale_2),
-                              std::move(c.w13_input_scale), std::move(c.w2), std::move(c.w2_scale),
-                              std::move(c.w2_scale_2), std::move(c.w2_input_scale));
+  d["weights"] = weights_dict(p, c);
   d["hidden_states"] = to_array(std::move(c.hidden_states), {T, H});
   if (p.routing.method == RoutingMethod::Precomputed) {
     d["topk_ids"] = to_array(std::move(c.topk_ids), {T, k});
@@ -109,9 +108,7 @@ nb::dict load_layer(const std::string& dir, int64_t layer, int ep_rank, int ep_s
   d["experts_rescaled"] = w.fusion.experts_rescaled;
   d["block_scales_changed"] = w.fusion.block_scales_changed;
   d["worst_relative_change"] = w.fusion.worst_relative_change;
-  d["weights"] = weights_dict(p, std::move(w.w13), std::move(w.w13_scale), std::move(w.w13_scale_2),
-                              std::move(w.w13_input_scale), std::move(w.w2), std::move(w.w2_scale),
-                              std::move(w.w2_scale_2), std::move(w.w2_input_scale), w.w13_input_scale_max);
+  d["weights"] = weights_dict(p, w);
   return d;
 }
 
@@ -124,9 +121,7 @@ nb::dict tensor_parallel_shard(const MoeProblem& p, const nb::dict& weights, int
   d["problem"] = s.problem;
   d["inter_begin"] = s.inter_begin;
   d["inter_end"] = s.inter_end;
-  d["weights"] = weights_dict(s.problem, std::move(s.w13), std::move(s.w13_scale), std::move(s.w13_scale_2),
-                              std::move(s.w13_input_scale), std::move(s.w2), std::move(s.w2_scale),
-                              std::move(s.w2_scale_2), std::move(s.w2_input_scale), s.w13_input_scale_max);
+  d["weights"] = weights_dict(s.problem, s);
   return d;
 }
 
@@ -142,9 +137,7 @@ nb::dict write_checkpoint_fixture(const std::string& dir, const std::string& fam
   io::Fixture fixture = io::write_fixture(dir, options);
   nb::dict d;
   for (auto& [layer, w] : fixture.layers)
-    d[nb::int_(layer)] = weights_dict(w.problem, std::move(w.w13), std::move(w.w13_scale), std::move(w.w13_scale_2),
-                                      std::move(w.w13_input_scale), std::move(w.w2), std::move(w.w2_scale),
-                                      std::move(w.w2_scale_2), std::move(w.w2_input_scale), w.w13_input_scale_max);
+    d[nb::int_(layer)] = weights_dict(w.problem, w);
   return d;
 }
 
