@@ -3,10 +3,13 @@
 // (MoeRunner, GpuRouter) or on the CPU reference. Part of the extension fp4moe._fp4moe
 // (python/module.cpp).
 //
-//   Layer(problem, weights, device, max_tokens, ...)   checks and prepares the weights (host arrays)
-//   Layer.forward(hidden, logits, bias, ids, weights, output, workspace, stream)
-//       every tensor comes from the caller, outputs and workspace included: the forward allocates
-//       nothing and never synchronises, and captures into a CUDA graph like MoeRunner::forward.
+//   PreparedLayer(problem, weights, device, ...)   checks and prepares the weights (host arrays)
+//   PreparedLayer.run(LayerCall, stream)          the forward on raw pointers, outputs and workspace
+//       included: it allocates nothing on cuda, never synchronises, takes no Python lock and
+//       captures into a CUDA graph like MoeRunner::forward
+//   Layer                                          the Python class: a PreparedLayer, the DLPack
+//       checks of Layer.forward, and an id in LayerRegistry by which the JAX custom calls
+//       (python/jax_ffi.cpp) find the layer
 #pragma once
 
 #include <nanobind/nanobind.h>
@@ -14,9 +17,11 @@
 
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <set>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "fp4moe/error.hpp"
@@ -105,10 +110,27 @@ struct HostWeights {
   }
 };
 
-class Layer {
+// One forward's tensors as raw pointers, already checked against the problem (Layer::forward checks
+// DLPack tensors, python/jax_ffi.cpp XLA buffers). Shapes: T = num_tokens, k = top_k.
+struct LayerCall {
+  int64_t num_tokens = 0;
+  const void* hidden = nullptr;        // bf16 [T, H]
+  const void* logits = nullptr;        // [T, E] f32 or bf16 (logits_bf16); null with precomputed routing
+  bool logits_bf16 = false;
+  const float* bias = nullptr;         // [E] or null (deepseek_v3 only)
+  int32_t* topk_ids = nullptr;         // [T, k]: written, or read with precomputed routing
+  float* topk_weights = nullptr;       // [T, k]: written, or read with precomputed routing
+  void* output = nullptr;              // bf16 [T, H]
+  void* workspace = nullptr;           // cuda: workspace_size() bytes
+  size_t workspace_bytes = 0;
+};
+
+// The problem and its prepared weights: on a Hopper GPU (MoeRunner) or canonical host copies for the
+// CPU reference.
+class PreparedLayer {
  public:
-  Layer(const MoeProblem& problem, const nb::dict& weights, const std::string& device, int64_t max_tokens,
-        int device_index, bool scales_swizzled, bool w13_up_gate)
+  PreparedLayer(const MoeProblem& problem, const nb::dict& weights, const std::string& device, int64_t max_tokens,
+                int device_index, bool scales_swizzled, bool w13_up_gate)
       : problem_(problem), max_tokens_(max_tokens) {
     problem_.validate();
     check(device == "cpu" || device == "cuda", "Layer: device must be 'cpu' or 'cuda', got '", device, "'");
@@ -149,6 +171,8 @@ class Layer {
 
   const MoeProblem& problem() const { return problem_; }
   int64_t max_tokens() const { return max_tokens_; }
+  bool on_cuda() const { return runner_ != nullptr; }
+  int device_index() const { return device_; }
   std::string device() const { return runner_ ? "cuda:" + std::to_string(device_) : "cpu"; }
   size_t workspace_size() const { return runner_ ? runner_->workspace_size(max_tokens_) : 0; }
 
@@ -161,75 +185,47 @@ class Layer {
     runner_->use_tune_cache(path);
   }
 
-  void forward(const InArray& hidden, const std::optional<InArray>& logits, const std::optional<InArray>& bias,
-               const Array& topk_ids, const Array& topk_weights, const Array& output,
-               const std::optional<Array>& workspace, uintptr_t stream) {
+  // The forward of a checked call on `stream` (cuda; ignored on the cpu). Throws Error; the caller
+  // releases the Python lock if it holds it.
+  void run(const LayerCall& c, uintptr_t stream) const {
     const MoeProblem& p = problem_;
     const bool routed = p.routing.method == RoutingMethod::Precomputed;
-    const TensorCheck t{"Layer.forward", runner_ != nullptr, device_};
-    check(hidden.ndim() == 2, "Layer.forward: hidden_states: expected shape [T, H], got ", shape_of(hidden));
-    const int64_t T = int64_t(hidden.shape(0)), E = p.num_experts, H = p.hidden, k = p.top_k();
-    check(T <= max_tokens_, "Layer.forward: hidden_states: T = ", T, " exceeds the layer's max_tokens = ", max_tokens_);
-    const void* x = t(hidden, "hidden_states", Elem::BF16, {T, H}, "[T, H]");
-    check(routed != logits.has_value(), "Layer.forward: ",
-          routed ? "routing method precomputed takes topk_ids and topk_weights, not router_logits"
-                 : "router_logits is required (routing method " + std::string(to_string(p.routing.method)) + ")");
-    const void* s = logits ? t(*logits, "router_logits", Elem::Logits, {T, E}, "[T, E]") : nullptr;
-    const bool logits_bf16 = logits && !matches(logits->dtype(), Elem::F32);
-    check(!bias || p.routing.method == RoutingMethod::DeepSeekV3,
-          "Layer.forward: routing_bias is only used by deepseek_v3 routing, got method ", to_string(p.routing.method));
-    const float* b = bias ? static_cast<const float*>(t(*bias, "routing_bias", Elem::F32, {E}, "[E]")) : nullptr;
-    auto* ids = static_cast<int32_t*>(t(topk_ids, "topk_ids", Elem::I32, {T, k}, "[T, k]"));
-    auto* weights = static_cast<float*>(t(topk_weights, "topk_weights", Elem::F32, {T, k}, "[T, k]"));
-    void* out = t(output, "output", Elem::BF16, {T, H}, "[T, H]");
-
     if (runner_) {
-      check(workspace.has_value(), "Layer.forward: workspace is required on cuda (workspace_size() = ",
-            workspace_size(), " bytes)");
-      const int64_t ws_bytes = int64_t(workspace->nbytes());
-      void* ws = t(*workspace, "workspace", Elem::Bytes, {ws_bytes}, "[workspace_size()]");
       ForwardArgs a;
-      a.num_tokens = T;
-      a.hidden = x;
-      a.router_logits = s;
-      a.logits_dtype = logits_bf16 ? LogitsDType::BF16 : LogitsDType::F32;
-      a.routing_bias = b;
-      a.topk_ids = ids;
-      a.topk_weights = weights;
-      a.output = out;
-      a.workspace = ws;
-      a.workspace_bytes = size_t(ws_bytes);
-      Status st;
-      {
-        nb::gil_scoped_release release;
-        auto* cu_stream = reinterpret_cast<CUstream_st*>(stream);
-        st = routed ? runner_->forward_routed(cu_stream, a) : runner_->forward(cu_stream, a);
-      }
-      if (!st.ok()) throw Error("Layer.forward: " + st.message);
+      a.num_tokens = c.num_tokens;
+      a.hidden = c.hidden;
+      a.router_logits = c.logits;
+      a.logits_dtype = c.logits_bf16 ? LogitsDType::BF16 : LogitsDType::F32;
+      a.routing_bias = c.bias;
+      a.topk_ids = c.topk_ids;
+      a.topk_weights = c.topk_weights;
+      a.output = c.output;
+      a.workspace = c.workspace;
+      a.workspace_bytes = c.workspace_bytes;
+      auto* cu_stream = reinterpret_cast<CUstream_st*>(stream);
+      const Status st = routed ? runner_->forward_routed(cu_stream, a) : runner_->forward(cu_stream, a);
+      if (!st.ok()) throw Error(st.message);
       return;
     }
 
     // The CPU reference (DESIGN.md §1), with the caller's routing when precomputed.
+    const int64_t T = c.num_tokens;
     std::vector<float> widened;
     reference::RouterInput router;
-    router.logits = s ? logits_as_f32(s, logits_bf16, size_t(T * E), widened) : nullptr;
-    router.bias = b;
+    router.logits = c.logits ? logits_as_f32(c.logits, c.logits_bf16, size_t(T * p.num_experts), widened) : nullptr;
+    router.bias = c.bias;
     if (routed) {
-      router.topk_ids = ids;
-      router.topk_weights = weights;
+      router.topk_ids = c.topk_ids;
+      router.topk_weights = c.topk_weights;
     }
-    reference::MoeWeights w{w13_.data(), w13_scale_.data(), w13_scale_2_.data(), w13_input_scale_.data(),
-                            w2_.data(),  w2_scale_.data(),  w2_scale_2_.data(),  w2_input_scale_.data(),
-                            w13_input_scale_max_};
-    reference::MoeResult r;
-    {
-      nb::gil_scoped_release release;
-      r = reference::moe_forward(p, T, static_cast<const uint16_t*>(x), router, w);
-    }
-    std::memcpy(out, r.output.data(), r.output.size() * sizeof(uint16_t));
+    const reference::MoeWeights w{w13_.data(), w13_scale_.data(), w13_scale_2_.data(), w13_input_scale_.data(),
+                                  w2_.data(),  w2_scale_.data(),  w2_scale_2_.data(),  w2_input_scale_.data(),
+                                  w13_input_scale_max_};
+    const reference::MoeResult r = reference::moe_forward(p, T, static_cast<const uint16_t*>(c.hidden), router, w);
+    std::memcpy(c.output, r.output.data(), r.output.size() * sizeof(uint16_t));
     if (!routed) {
-      std::memcpy(ids, r.topk_ids.data(), r.topk_ids.size() * sizeof(int32_t));
-      std::memcpy(weights, r.topk_weights.data(), r.topk_weights.size() * sizeof(float));
+      std::memcpy(c.topk_ids, r.topk_ids.data(), r.topk_ids.size() * sizeof(int32_t));
+      std::memcpy(c.topk_weights, r.topk_weights.data(), r.topk_weights.size() * sizeof(float));
     }
   }
 
@@ -241,6 +237,101 @@ class Layer {
   std::vector<uint8_t> w13_, w13_scale_, w2_, w2_scale_;  // cpu: canonical layout
   std::vector<float> w13_scale_2_, w13_input_scale_, w2_scale_2_, w2_input_scale_;
   float w13_input_scale_max_ = 0.0f;
+};
+
+// The live layers by id, for callers that hold no Python reference: a JAX custom call names its layer
+// by an integer attribute. A lookup shares ownership, so a layer that Python drops mid-call lives
+// until the call returns; a lookup after it is gone finds nothing.
+class LayerRegistry {
+ public:
+  static LayerRegistry& instance() {
+    static LayerRegistry registry;
+    return registry;
+  }
+  int64_t add(const std::shared_ptr<PreparedLayer>& layer) {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    const int64_t id = next_id_++;
+    layers_.emplace(id, layer);
+    return id;
+  }
+  void remove(int64_t id) {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    layers_.erase(id);
+  }
+  std::shared_ptr<PreparedLayer> find(int64_t id) const {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    const auto it = layers_.find(id);
+    return it == layers_.end() ? nullptr : it->second.lock();
+  }
+
+ private:
+  mutable std::mutex mutex_;
+  int64_t next_id_ = 1;
+  std::unordered_map<int64_t, std::weak_ptr<PreparedLayer>> layers_;
+};
+
+// The Python class fp4moe._fp4moe.Layer: a PreparedLayer with DLPack tensors in and out.
+class Layer {
+ public:
+  Layer(const MoeProblem& problem, const nb::dict& weights, const std::string& device, int64_t max_tokens,
+        int device_index, bool scales_swizzled, bool w13_up_gate)
+      : impl_(std::make_shared<PreparedLayer>(problem, weights, device, max_tokens, device_index, scales_swizzled,
+                                              w13_up_gate)),
+        id_(LayerRegistry::instance().add(impl_)) {}
+  ~Layer() { LayerRegistry::instance().remove(id_); }
+  Layer(const Layer&) = delete;
+  Layer& operator=(const Layer&) = delete;
+
+  int64_t id() const { return id_; }
+  const MoeProblem& problem() const { return impl_->problem(); }
+  int64_t max_tokens() const { return impl_->max_tokens(); }
+  std::string device() const { return impl_->device(); }
+  size_t workspace_size() const { return impl_->workspace_size(); }
+  std::string tactic(int64_t num_tokens) const { return impl_->tactic(num_tokens); }
+  void use_tune_cache(const std::string& path) { impl_->use_tune_cache(path); }
+
+  void forward(const InArray& hidden, const std::optional<InArray>& logits, const std::optional<InArray>& bias,
+               const Array& topk_ids, const Array& topk_weights, const Array& output,
+               const std::optional<Array>& workspace, uintptr_t stream) {
+    const MoeProblem& p = impl_->problem();
+    const bool routed = p.routing.method == RoutingMethod::Precomputed;
+    const TensorCheck t{"Layer.forward", impl_->on_cuda(), impl_->device_index()};
+    check(hidden.ndim() == 2, "Layer.forward: hidden_states: expected shape [T, H], got ", shape_of(hidden));
+    const int64_t T = int64_t(hidden.shape(0)), E = p.num_experts, H = p.hidden, k = p.top_k();
+    check(T <= impl_->max_tokens(), "Layer.forward: hidden_states: T = ", T, " exceeds the layer's max_tokens = ",
+          impl_->max_tokens());
+    LayerCall c;
+    c.num_tokens = T;
+    c.hidden = t(hidden, "hidden_states", Elem::BF16, {T, H}, "[T, H]");
+    check(routed != logits.has_value(), "Layer.forward: ",
+          routed ? "routing method precomputed takes topk_ids and topk_weights, not router_logits"
+                 : "router_logits is required (routing method " + std::string(to_string(p.routing.method)) + ")");
+    c.logits = logits ? t(*logits, "router_logits", Elem::Logits, {T, E}, "[T, E]") : nullptr;
+    c.logits_bf16 = logits && !matches(logits->dtype(), Elem::F32);
+    check(!bias || p.routing.method == RoutingMethod::DeepSeekV3,
+          "Layer.forward: routing_bias is only used by deepseek_v3 routing, got method ", to_string(p.routing.method));
+    c.bias = bias ? static_cast<const float*>(t(*bias, "routing_bias", Elem::F32, {E}, "[E]")) : nullptr;
+    c.topk_ids = static_cast<int32_t*>(t(topk_ids, "topk_ids", Elem::I32, {T, k}, "[T, k]"));
+    c.topk_weights = static_cast<float*>(t(topk_weights, "topk_weights", Elem::F32, {T, k}, "[T, k]"));
+    c.output = t(output, "output", Elem::BF16, {T, H}, "[T, H]");
+    if (impl_->on_cuda()) {
+      check(workspace.has_value(), "Layer.forward: workspace is required on cuda (workspace_size() = ",
+            impl_->workspace_size(), " bytes)");
+      const int64_t ws_bytes = int64_t(workspace->nbytes());
+      c.workspace = t(*workspace, "workspace", Elem::Bytes, {ws_bytes}, "[workspace_size()]");
+      c.workspace_bytes = size_t(ws_bytes);
+    }
+    try {
+      nb::gil_scoped_release release;
+      impl_->run(c, stream);
+    } catch (const Error& e) {
+      throw Error(std::string("Layer.forward: ") + e.what());
+    }
+  }
+
+ private:
+  std::shared_ptr<PreparedLayer> impl_;
+  int64_t id_;
 };
 
 // Routing alone (expert parallelism: every rank routes over the whole layer's experts): GpuRouter on

@@ -29,6 +29,11 @@ namespace nb = nanobind;
 using namespace nb::literals;
 
 namespace fp4moe::python {
+
+// The JAX custom calls' handlers: python/jax_ffi.cpp, or python/jax_ffi_unavailable.cpp in a build
+// without jaxlib's XLA FFI headers.
+void bind_jax_ffi(nb::module_& m);
+
 namespace {
 
 // ---- host data out --------------------------------------------------------------------------------
@@ -266,6 +271,7 @@ NB_MODULE(_fp4moe, m) {
       .def(nb::init<const MoeProblem&, const nb::dict&, const std::string&, int64_t, int, bool, bool>(), "problem"_a,
            "weights"_a, "device"_a, "max_tokens"_a, "device_index"_a = 0, "scales_swizzled"_a = false,
            "w13_up_gate"_a = false)
+      .def_prop_ro("id", &Layer::id, "The layer's id, by which the JAX custom calls name it.")
       .def_prop_ro("problem", &Layer::problem)
       .def_prop_ro("max_tokens", &Layer::max_tokens)
       .def_prop_ro("device", &Layer::device)
@@ -275,4 +281,6 @@ NB_MODULE(_fp4moe, m) {
       .def("forward", &Layer::forward, "hidden_states"_a, "router_logits"_a.none(), "routing_bias"_a.none(),
            "topk_ids"_a, "topk_weights"_a, "output"_a, "workspace"_a.none(), "stream"_a,
            "Runs the layer into caller tensors (no allocation, no synchronisation on cuda).");
+
+  bind_jax_ffi(m);
 }

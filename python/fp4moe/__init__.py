@@ -110,7 +110,8 @@ def _parse_device(device):
 
 
 def _allocate_workspace(nbytes, index):
-    """The layer's device workspace, allocated once by torch or CuPy (whichever is installed)."""
+    """The layer's device workspace, allocated once by torch or CuPy (whichever is installed); None
+    without either (JAX calls get theirs from XLA: fp4moe.jax_ops)."""
     nbytes = max(int(nbytes), 256)
     try:
         import torch
@@ -123,7 +124,7 @@ def _allocate_workspace(nbytes, index):
             return cupy.empty(nbytes, dtype=cupy.uint8)
     except ImportError:
         pass
-    raise Error("fp4moe.MoeLayer: a cuda layer allocates its workspace with torch or CuPy; neither is installed")
+    return None
 
 
 class MoeLayer:
@@ -141,7 +142,8 @@ class MoeLayer:
         kind, index = _parse_device(device)
         host = {name: _to_host(name, value) for name, value in dict(weights).items()}
         self._impl = _fp4moe.Layer(problem, host, kind, max_tokens, index, scales_swizzled, w13_up_gate)
-        self._workspace = _allocate_workspace(self._impl.workspace_size(), index) if kind == "cuda" else None
+        self._on_cuda = kind == "cuda"
+        self._workspace = _allocate_workspace(self._impl.workspace_size(), index) if self._on_cuda else None
 
     @property
     def problem(self):
@@ -190,7 +192,10 @@ class MoeLayer:
                      stream=None):
         """Runs the layer into caller tensors (no allocation). topk_ids / topk_weights are written, or
         read with routing method precomputed."""
-        handle = _stream_handle(stream, hidden_states) if self._workspace is not None else 0
+        if self._on_cuda and self._workspace is None:
+            raise Error("MoeLayer.forward_into: a cuda layer's workspace is allocated with torch or CuPy and neither "
+                        "is installed (JAX programs call the layer through fp4moe.jax_ops, which XLA allocates for)")
+        handle = _stream_handle(stream, hidden_states) if self._on_cuda else 0
         self._impl.forward(hidden_states, router_logits, routing_bias, topk_ids, topk_weights, output,
                            self._workspace, handle)
 

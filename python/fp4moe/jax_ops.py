@@ -1,0 +1,109 @@
+"""fp4moe layers in JAX programs: XLA FFI custom calls (the extension's python/jax_ffi.cpp), so that a
+layer runs inside jax.jit like any other operation.
+
+    import jax, fp4moe
+    from fp4moe import jax_ops
+    layer = fp4moe.MoeLayer(problem, weights, device="cuda:0", max_tokens=8192)    # or device="cpu"
+    forward = jax.jit(lambda x, logits: jax_ops.moe_forward(layer, x, logits))
+    output, topk_ids, topk_weights = forward(hidden_states, router_logits)         # jax arrays
+
+The call runs where its arrays live: a cuda layer takes arrays on its GPU and runs on XLA's stream
+(no allocation or synchronisation of its own, so XLA may record it into command buffers); a cpu
+layer takes host arrays and runs the CPU reference. XLA allocates every buffer, the layer's
+workspace included. A traced function names its layer by the layer's id: keep the MoeLayer alive
+while the function is used (a call on a dropped layer fails with an error that says so).
+Importing this module registers the custom calls; a build without jaxlib's XLA FFI headers raises
+fp4moe.Error here.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import Error, _fp4moe
+
+__all__ = ["moe_forward", "moe_forward_routed"]
+
+
+def _register():
+    for platform, targets in _fp4moe._jax_ffi_handlers().items():
+        for name, capsule in targets.items():
+            jax.ffi.register_ffi_target(name, capsule, platform=platform)
+
+
+_register()
+
+
+def _impl(layer):
+    impl = getattr(layer, "_impl", None)
+    if not isinstance(impl, _fp4moe.Layer):
+        raise Error(f"fp4moe.jax_ops: layer must be an fp4moe.MoeLayer, got {type(layer).__module__}."
+                    f"{type(layer).__name__}")
+    return impl
+
+
+def _expect(name, x, dtypes, shape, symbolic):
+    dtype_names = " or ".join(str(np.dtype(d)) for d in dtypes)
+    if x.dtype not in [np.dtype(d) for d in dtypes]:
+        raise Error(f"fp4moe.jax_ops: {name}: expected {dtype_names}, got {x.dtype}")
+    if tuple(x.shape) != tuple(shape):
+        raise Error(f"fp4moe.jax_ops: {name}: expected shape {symbolic} = {list(shape)}, got {list(x.shape)}")
+
+
+def _hidden(impl, hidden_states):
+    problem = impl.problem
+    if hidden_states.ndim != 2:
+        raise Error(f"fp4moe.jax_ops: hidden_states: expected shape [T, H], got {list(hidden_states.shape)}")
+    T = hidden_states.shape[0]
+    if T > impl.max_tokens:
+        raise Error(f"fp4moe.jax_ops: hidden_states: T = {T} exceeds the layer's max_tokens = {impl.max_tokens}")
+    _expect("hidden_states", hidden_states, [jnp.bfloat16], (T, problem.hidden), "[T, H]")
+    return T
+
+
+def _results(impl, T, *routing):
+    problem = impl.problem
+    return (jax.ShapeDtypeStruct((T, problem.hidden), jnp.bfloat16),
+            *routing,
+            jax.ShapeDtypeStruct((impl.workspace_size(),), jnp.uint8))
+
+
+def moe_forward(layer, hidden_states, router_logits, routing_bias=None):
+    """The layer on hidden_states (bf16 [T, H]) routed by router_logits (float32 or bfloat16 [T, E]);
+    routing_bias (float32 [E]) with deepseek_v3 routing. Returns (output bf16 [T, H], topk_ids int32
+    [T, k], topk_weights float32 [T, k])."""
+    impl = _impl(layer)
+    problem = impl.problem
+    if problem.routing_method == "precomputed":
+        raise Error("fp4moe.jax_ops.moe_forward: routing method precomputed: call moe_forward_routed with "
+                    "topk_ids and topk_weights")
+    T = _hidden(impl, hidden_states)
+    E, k = problem.num_experts, problem.top_k
+    _expect("router_logits", router_logits, [jnp.float32, jnp.bfloat16], (T, E), "[T, E]")
+    if routing_bias is None:
+        routing_bias = jnp.zeros((0,), jnp.float32)  # none: the handler sees an empty buffer
+    elif problem.routing_method != "deepseek_v3":
+        raise Error(f"fp4moe.jax_ops.moe_forward: routing_bias is only used by deepseek_v3 routing, got method "
+                    f"{problem.routing_method}")
+    else:
+        _expect("routing_bias", routing_bias, [jnp.float32], (E,), "[E]")
+    results = _results(impl, T, jax.ShapeDtypeStruct((T, k), jnp.int32), jax.ShapeDtypeStruct((T, k), jnp.float32))
+    output, topk_ids, topk_weights, _ = jax.ffi.ffi_call("fp4moe_moe_forward", results)(
+        hidden_states, router_logits, routing_bias, layer=np.int64(impl.id))
+    return output, topk_ids, topk_weights
+
+
+def moe_forward_routed(layer, hidden_states, topk_ids, topk_weights):
+    """The layer (routing method precomputed) on hidden_states (bf16 [T, H]) with the caller's topk_ids
+    (int32 [T, k]) and topk_weights (float32 [T, k]). Returns the output, bf16 [T, H]."""
+    impl = _impl(layer)
+    problem = impl.problem
+    if problem.routing_method != "precomputed":
+        raise Error(f"fp4moe.jax_ops.moe_forward_routed: routing method {problem.routing_method} routes the "
+                    "layer's own logits: call moe_forward with router_logits")
+    T = _hidden(impl, hidden_states)
+    k = problem.top_k
+    _expect("topk_ids", topk_ids, [jnp.int32], (T, k), "[T, k]")
+    _expect("topk_weights", topk_weights, [jnp.float32], (T, k), "[T, k]")
+    output, _ = jax.ffi.ffi_call("fp4moe_moe_forward_routed", _results(impl, T))(
+        hidden_states, topk_ids, topk_weights, layer=np.int64(impl.id))
+    return output

@@ -1,0 +1,252 @@
+// python/jax_ffi.cpp — the layer as XLA FFI custom calls, so that JAX programs (jax.jit included) run
+// fp4moe layers: python/fp4moe/jax_ops.py registers these handlers with jax.ffi and calls them.
+//
+//   fp4moe_moe_forward         args   hidden_states bf16 [T, H], router_logits f32|bf16 [T, E],
+//                                     routing_bias f32 [E] or [0] (none)
+//                              rets   output bf16 [T, H], topk_ids s32 [T, k], topk_weights f32 [T, k],
+//                                     workspace u8 [workspace_size()]
+//   fp4moe_moe_forward_routed  args   hidden_states, topk_ids, topk_weights (precomputed routing)
+//                              rets   output, workspace
+//   attribute  layer (s64)     the Layer's id in LayerRegistry (python/layer.hpp)
+//
+// Each has a "CUDA" handler (the layer's MoeRunner on XLA's stream: no allocation, no synchronisation,
+// so XLA may capture it into its command buffers) and a "cpu" handler (the CPU reference). XLA owns
+// every buffer, the workspace included: it is a result that the caller drops. The handlers run on
+// XLA's threads without the Python lock; errors come back to JAX as ffi::Error with the layer's message.
+#include <nanobind/nanobind.h>
+
+#include <cstdint>
+#include <initializer_list>
+#include <string>
+
+#include "fp4moe/error.hpp"
+#include "python/layer.hpp"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace fp4moe::python {
+namespace {
+
+const char* dtype_text(ffi::DataType d) {
+  switch (d) {
+    case ffi::DataType::BF16: return "bf16";
+    case ffi::DataType::F32: return "f32";
+    case ffi::DataType::S32: return "s32";
+    case ffi::DataType::U8: return "u8";
+    case ffi::DataType::S8: return "s8";
+    case ffi::DataType::F16: return "f16";
+    case ffi::DataType::S64: return "s64";
+    case ffi::DataType::F64: return "f64";
+    default: return "another dtype";
+  }
+}
+
+std::string dims_text(ffi::AnyBuffer::Dimensions dims) {
+  std::string s = "[";
+  for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
+  return s + "]";
+}
+
+// Throws unless `b` has one of `dtypes` and exactly `shape` (XLA hands over what jax_ops declared;
+// this guards the contract against calls built another way).
+void expect(const ffi::AnyBuffer& b, const char* name, std::initializer_list<ffi::DataType> dtypes,
+            std::initializer_list<int64_t> shape, const char* symbolic) {
+  bool dtype_ok = false;
+  for (ffi::DataType d : dtypes) dtype_ok = dtype_ok || b.element_type() == d;
+  std::string want;
+  for (ffi::DataType d : dtypes) want += (want.empty() ? "" : " or ") + std::string(dtype_text(d));
+  check(dtype_ok, name, ": expected ", want, ", got ", dtype_text(b.element_type()));
+  const ffi::AnyBuffer::Dimensions dims = b.dimensions();
+  bool shape_ok = dims.size() == shape.size();
+  size_t i = 0;
+  for (int64_t extent : shape) shape_ok = shape_ok && dims[i++] == extent;
+  std::string want_shape = "[";
+  i = 0;
+  for (int64_t extent : shape) want_shape += (i++ ? ", " : "") + std::to_string(extent);
+  check(shape_ok, name, ": expected shape ", symbolic, " = ", want_shape, "], got ", dims_text(dims));
+}
+
+// The registered layer `id`, checked to live where the call runs.
+std::shared_ptr<PreparedLayer> find_layer(int64_t id, bool on_cuda, int32_t device_ordinal) {
+  std::shared_ptr<PreparedLayer> layer = LayerRegistry::instance().find(id);
+  check(layer != nullptr, "layer ", id, " no longer exists (a compiled JAX function keeps the id of the MoeLayer "
+        "it was traced with, not the layer: keep the MoeLayer alive while the function is used)");
+  check(layer->on_cuda() == on_cuda, "the layer is on ", layer->device(), " but the call runs on ",
+        on_cuda ? "a CUDA device" : "the cpu", " (a JAX array on the layer's device runs it)");
+  check(!on_cuda || layer->device_index() == device_ordinal, "the layer is on ", layer->device(),
+        " but the call runs on CUDA device ", device_ordinal, " (one layer per device)");
+  return layer;
+}
+
+// The token count and the checked hidden states / output of one call.
+int64_t check_tokens(const PreparedLayer& layer, const ffi::AnyBuffer& hidden, const ffi::AnyBuffer& output) {
+  const MoeProblem& p = layer.problem();
+  check(hidden.dimensions().size() == 2, "hidden_states: expected shape [T, H], got ", dims_text(hidden.dimensions()));
+  const int64_t T = hidden.dimensions()[0];
+  check(T <= layer.max_tokens(), "hidden_states: T = ", T, " exceeds the layer's max_tokens = ", layer.max_tokens());
+  expect(hidden, "hidden_states", {ffi::DataType::BF16}, {T, p.hidden}, "[T, H]");
+  expect(output, "output", {ffi::DataType::BF16}, {T, p.hidden}, "[T, H]");
+  return T;
+}
+
+void set_workspace(LayerCall& c, const PreparedLayer& layer, const ffi::AnyBuffer& workspace) {
+  expect(workspace, "workspace", {ffi::DataType::U8}, {int64_t(workspace.element_count())}, "[workspace_size()]");
+  check(workspace.size_bytes() >= layer.workspace_size(), "workspace: ", workspace.size_bytes(),
+        " bytes, the layer needs workspace_size() = ", layer.workspace_size());
+  c.workspace = workspace.untyped_data();
+  c.workspace_bytes = workspace.size_bytes();
+}
+
+ffi::Error failure(const char* op, int64_t id, const std::exception& e) {
+  return ffi::Error::InvalidArgument(std::string("fp4moe ") + op + " (layer " + std::to_string(id) + "): " + e.what());
+}
+
+ffi::Error forward(CUstream_st* stream, bool on_cuda, int32_t device_ordinal, int64_t id, ffi::AnyBuffer hidden,
+                   ffi::AnyBuffer logits, ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> output,
+                   ffi::Result<ffi::AnyBuffer> topk_ids, ffi::Result<ffi::AnyBuffer> topk_weights,
+                   ffi::Result<ffi::AnyBuffer> workspace) {
+  try {
+    const std::shared_ptr<PreparedLayer> layer = find_layer(id, on_cuda, device_ordinal);
+    const MoeProblem& p = layer->problem();
+    check(p.routing.method != RoutingMethod::Precomputed,
+          "routing method precomputed: call moe_forward_routed with topk_ids and topk_weights");
+    const int64_t T = check_tokens(*layer, hidden, *output), E = p.num_experts, k = p.top_k();
+    expect(logits, "router_logits", {ffi::DataType::F32, ffi::DataType::BF16}, {T, E}, "[T, E]");
+    const bool has_bias = bias.element_count() > 0;
+    check(!has_bias || p.routing.method == RoutingMethod::DeepSeekV3,
+          "routing_bias is only used by deepseek_v3 routing, got method ", to_string(p.routing.method));
+    if (has_bias) expect(bias, "routing_bias", {ffi::DataType::F32}, {E}, "[E]");
+    expect(*topk_ids, "topk_ids", {ffi::DataType::S32}, {T, k}, "[T, k]");
+    expect(*topk_weights, "topk_weights", {ffi::DataType::F32}, {T, k}, "[T, k]");
+    LayerCall c;
+    c.num_tokens = T;
+    c.hidden = hidden.untyped_data();
+    c.logits = logits.untyped_data();
+    c.logits_bf16 = logits.element_type() == ffi::DataType::BF16;
+    c.bias = has_bias ? static_cast<const float*>(bias.untyped_data()) : nullptr;
+    c.topk_ids = static_cast<int32_t*>(topk_ids->untyped_data());
+    c.topk_weights = static_cast<float*>(topk_weights->untyped_data());
+    c.output = output->untyped_data();
+    set_workspace(c, *layer, *workspace);
+    layer->run(c, reinterpret_cast<uintptr_t>(stream));
+    return ffi::Error::Success();
+  } catch (const std::exception& e) {
+    return failure("moe_forward", id, e);
+  }
+}
+
+ffi::Error forward_routed(CUstream_st* stream, bool on_cuda, int32_t device_ordinal, int64_t id,
+                          ffi::AnyBuffer hidden, ffi::AnyBuffer topk_ids, ffi::AnyBuffer topk_weights,
+                          ffi::Result<ffi::AnyBuffer> output, ffi::Result<ffi::AnyBuffer> workspace) {
+  try {
+    const std::shared_ptr<PreparedLayer> layer = find_layer(id, on_cuda, device_ordinal);
+    const MoeProblem& p = layer->problem();
+    check(p.routing.method == RoutingMethod::Precomputed, "routing method ", to_string(p.routing.method),
+          " routes the layer's own logits: call moe_forward with router_logits");
+    const int64_t T = check_tokens(*layer, hidden, *output), k = p.top_k();
+    expect(topk_ids, "topk_ids", {ffi::DataType::S32}, {T, k}, "[T, k]");
+    expect(topk_weights, "topk_weights", {ffi::DataType::F32}, {T, k}, "[T, k]");
+    LayerCall c;
+    c.num_tokens = T;
+    c.hidden = hidden.untyped_data();
+    // NOTE: precomputed ids and weights are only read; LayerCall's pointers are non-const because
+    // the routing methods write them.
+    c.topk_ids = static_cast<int32_t*>(topk_ids.untyped_data());
+    c.topk_weights = static_cast<float*>(topk_weights.untyped_data());
+    c.output = output->untyped_data();
+    set_workspace(c, *layer, *workspace);
+    layer->run(c, reinterpret_cast<uintptr_t>(stream));
+    return ffi::Error::Success();
+  } catch (const std::exception& e) {
+    return failure("moe_forward_routed", id, e);
+  }
+}
+
+ffi::Error forward_cuda(CUstream_st* stream, int32_t device_ordinal, int64_t id, ffi::AnyBuffer hidden,
+                        ffi::AnyBuffer logits, ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> output,
+                        ffi::Result<ffi::AnyBuffer> topk_ids, ffi::Result<ffi::AnyBuffer> topk_weights,
+                        ffi::Result<ffi::AnyBuffer> workspace) {
+  return forward(stream, true, device_ordinal, id, hidden, logits, bias, output, topk_ids, topk_weights, workspace);
+}
+ffi::Error forward_cpu(int64_t id, ffi::AnyBuffer hidden, ffi::AnyBuffer logits, ffi::AnyBuffer bias,
+                       ffi::Result<ffi::AnyBuffer> output, ffi::Result<ffi::AnyBuffer> topk_ids,
+                       ffi::Result<ffi::AnyBuffer> topk_weights, ffi::Result<ffi::AnyBuffer> workspace) {
+  return forward(nullptr, false, 0, id, hidden, logits, bias, output, topk_ids, topk_weights, workspace);
+}
+ffi::Error forward_routed_cuda(CUstream_st* stream, int32_t device_ordinal, int64_t id, ffi::AnyBuffer hidden,
+                               ffi::AnyBuffer topk_ids, ffi::AnyBuffer topk_weights,
+                               ffi::Result<ffi::AnyBuffer> output, ffi::Result<ffi::AnyBuffer> workspace) {
+  return forward_routed(stream, true, device_ordinal, id, hidden, topk_ids, topk_weights, output, workspace);
+}
+ffi::Error forward_routed_cpu(int64_t id, ffi::AnyBuffer hidden, ffi::AnyBuffer topk_ids, ffi::AnyBuffer topk_weights,
+                              ffi::Result<ffi::AnyBuffer> output, ffi::Result<ffi::AnyBuffer> workspace) {
+  return forward_routed(nullptr, false, 0, id, hidden, topk_ids, topk_weights, output, workspace);
+}
+
+// NOTE: the cuda handlers neither allocate nor synchronise, so XLA may record them into its command
+// buffers (CUDA graphs); the cpu reference allocates host vectors and is left out of them.
+XLA_FFI_DEFINE_HANDLER(kForwardCuda, forward_cuda,
+                       ffi::Ffi::Bind()
+                           .Ctx<ffi::PlatformStream<CUstream_st*>>()
+                           .Ctx<ffi::DeviceOrdinal>()
+                           .Attr<int64_t>("layer")
+                           .Arg<ffi::AnyBuffer>()
+                           .Arg<ffi::AnyBuffer>()
+                           .Arg<ffi::AnyBuffer>()
+                           .Ret<ffi::AnyBuffer>()
+                           .Ret<ffi::AnyBuffer>()
+                           .Ret<ffi::AnyBuffer>()
+                           .Ret<ffi::AnyBuffer>(),
+                       {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER(kForwardCpu, forward_cpu,
+                       ffi::Ffi::Bind()
+                           .Attr<int64_t>("layer")
+                           .Arg<ffi::AnyBuffer>()
+                           .Arg<ffi::AnyBuffer>()
+                           .Arg<ffi::AnyBuffer>()
+                           .Ret<ffi::AnyBuffer>()
+                           .Ret<ffi::AnyBuffer>()
+                           .Ret<ffi::AnyBuffer>()
+                           .Ret<ffi::AnyBuffer>());
+XLA_FFI_DEFINE_HANDLER(kForwardRoutedCuda, forward_routed_cuda,
+                       ffi::Ffi::Bind()
+                           .Ctx<ffi::PlatformStream<CUstream_st*>>()
+                           .Ctx<ffi::DeviceOrdinal>()
+                           .Attr<int64_t>("layer")
+                           .Arg<ffi::AnyBuffer>()
+                           .Arg<ffi::AnyBuffer>()
+                           .Arg<ffi::AnyBuffer>()
+                           .Ret<ffi::AnyBuffer>()
+                           .Ret<ffi::AnyBuffer>(),
+                       {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER(kForwardRoutedCpu, forward_routed_cpu,
+                       ffi::Ffi::Bind()
+                           .Attr<int64_t>("layer")
+                           .Arg<ffi::AnyBuffer>()
+                           .Arg<ffi::AnyBuffer>()
+                           .Arg<ffi::AnyBuffer>()
+                           .Ret<ffi::AnyBuffer>()
+                           .Ret<ffi::AnyBuffer>());
+
+nb::capsule handler(XLA_FFI_Handler* fn) { return nb::capsule(reinterpret_cast<void*>(fn)); }
+
+}  // namespace
+
+void bind_jax_ffi(nb::module_& m) {
+  m.def(
+      "_jax_ffi_handlers",
+      [] {
+        nb::dict cuda, cpu, d;
+        cuda["fp4moe_moe_forward"] = handler(kForwardCuda);
+        cuda["fp4moe_moe_forward_routed"] = handler(kForwardRoutedCuda);
+        cpu["fp4moe_moe_forward"] = handler(kForwardCpu);
+        cpu["fp4moe_moe_forward_routed"] = handler(kForwardRoutedCpu);
+        d["CUDA"] = cuda;
+        d["cpu"] = cpu;
+        return d;
+      },
+      "The XLA FFI handlers of the layer: {platform: {target name: PyCapsule}} (python/fp4moe/jax_ops.py).");
+}
+
+}  // namespace fp4moe::python
