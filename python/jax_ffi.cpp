@@ -14,6 +14,9 @@
 // every buffer, the workspace included: it is a result that the caller drops. The handlers run on
 // XLA's threads without the Python lock; errors come back to JAX as ffi::Error with the layer's message.
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
 #include <cstdint>
 #include <initializer_list>
@@ -24,47 +27,59 @@
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
+using namespace nanobind::literals;
 
 namespace fp4moe::python {
 namespace {
 
-const char* dtype_text(ffi::DataType d) {
-  switch (d) {
-    case ffi::DataType::BF16: return "bf16";
-    case ffi::DataType::F32: return "f32";
-    case ffi::DataType::S32: return "s32";
-    case ffi::DataType::U8: return "u8";
-    case ffi::DataType::S8: return "s8";
-    case ffi::DataType::F16: return "f16";
-    case ffi::DataType::S64: return "s64";
-    case ffi::DataType::F64: return "f64";
-    default: return "another dtype";
-  }
+// A buffer as the checks see it: an XLA buffer in a handler, or at trace time a jax array's dtype and
+// shape (_jax_check_args), so that both run the same checks with the same messages.
+struct BufferSpec {
+  ffi::DataType dtype;
+  ffi::Span<const int64_t> dims;
+};
+BufferSpec spec(const ffi::AnyBuffer& b) { return {b.element_type(), b.dimensions()}; }
+
+// The dtypes the calls use, by the names NumPy and JAX print.
+constexpr std::pair<ffi::DataType, const char*> kDtypeNames[] = {
+    {ffi::DataType::BF16, "bfloat16"}, {ffi::DataType::F32, "float32"}, {ffi::DataType::S32, "int32"},
+    {ffi::DataType::U8, "uint8"},      {ffi::DataType::S8, "int8"},     {ffi::DataType::F16, "float16"},
+    {ffi::DataType::S64, "int64"},     {ffi::DataType::F64, "float64"}, {ffi::DataType::U16, "uint16"},
+    {ffi::DataType::S16, "int16"},     {ffi::DataType::U32, "uint32"},  {ffi::DataType::U64, "uint64"},
+    {ffi::DataType::PRED, "bool"},     {ffi::DataType::F8E4M3FN, "float8_e4m3fn"}};
+
+const char* dtype_name(ffi::DataType d) {
+  for (const auto& [dtype, name] : kDtypeNames)
+    if (dtype == d) return name;
+  return "another dtype";
+}
+ffi::DataType dtype_of(const std::string& name) {
+  for (const auto& [dtype, known] : kDtypeNames)
+    if (name == known) return dtype;
+  return ffi::DataType::INVALID;
 }
 
-std::string dims_text(ffi::AnyBuffer::Dimensions dims) {
+std::string dims_text(ffi::Span<const int64_t> dims) {
   std::string s = "[";
   for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
   return s + "]";
 }
 
-// Throws unless `b` has one of `dtypes` and exactly `shape` (XLA hands over what jax_ops declared;
-// this guards the contract against calls built another way).
-void expect(const ffi::AnyBuffer& b, const char* name, std::initializer_list<ffi::DataType> dtypes,
+// Throws unless `b` has one of `dtypes` and exactly `shape`.
+void expect(const BufferSpec& b, const char* name, std::initializer_list<ffi::DataType> dtypes,
             std::initializer_list<int64_t> shape, const char* symbolic) {
   bool dtype_ok = false;
-  for (ffi::DataType d : dtypes) dtype_ok = dtype_ok || b.element_type() == d;
   std::string want;
-  for (ffi::DataType d : dtypes) want += (want.empty() ? "" : " or ") + std::string(dtype_text(d));
-  check(dtype_ok, name, ": expected ", want, ", got ", dtype_text(b.element_type()));
-  const ffi::AnyBuffer::Dimensions dims = b.dimensions();
-  bool shape_ok = dims.size() == shape.size();
+  for (ffi::DataType d : dtypes) {
+    dtype_ok = dtype_ok || b.dtype == d;
+    want += (want.empty() ? "" : " or ") + std::string(dtype_name(d));
+  }
+  check(dtype_ok, name, ": expected ", want, ", got ", dtype_name(b.dtype));
+  bool shape_ok = b.dims.size() == shape.size();
   size_t i = 0;
-  for (int64_t extent : shape) shape_ok = shape_ok && dims[i++] == extent;
-  std::string want_shape = "[";
-  i = 0;
-  for (int64_t extent : shape) want_shape += (i++ ? ", " : "") + std::to_string(extent);
-  check(shape_ok, name, ": expected shape ", symbolic, " = ", want_shape, "], got ", dims_text(dims));
+  for (int64_t extent : shape) shape_ok = shape_ok && b.dims[i++] == extent;
+  check(shape_ok, name, ": expected shape ", symbolic, " = ",
+        dims_text(ffi::Span<const int64_t>(shape.begin(), shape.size())), ", got ", dims_text(b.dims));
 }
 
 // The registered layer `id`, checked to live where the call runs.
@@ -79,19 +94,35 @@ std::shared_ptr<PreparedLayer> find_layer(int64_t id, bool on_cuda, int32_t devi
   return layer;
 }
 
-// The token count and the checked hidden states / output of one call.
-int64_t check_tokens(const PreparedLayer& layer, const ffi::AnyBuffer& hidden, const ffi::AnyBuffer& output) {
+// The arguments of moe_forward (a = router_logits, b = routing_bias, empty for none) or, with
+// `routed`, of moe_forward_routed (a = topk_ids, b = topk_weights), checked against the layer;
+// returns T. Run at trace time and again by the handlers.
+int64_t check_args(const PreparedLayer& layer, bool routed, const BufferSpec& hidden, const BufferSpec& a,
+                   const BufferSpec& b) {
   const MoeProblem& p = layer.problem();
-  check(hidden.dimensions().size() == 2, "hidden_states: expected shape [T, H], got ", dims_text(hidden.dimensions()));
-  const int64_t T = hidden.dimensions()[0];
+  const bool precomputed = p.routing.method == RoutingMethod::Precomputed;
+  check(!precomputed || routed, "routing method precomputed: call moe_forward_routed with topk_ids and topk_weights");
+  check(precomputed || !routed, "routing method ", to_string(p.routing.method),
+        " routes the layer's own logits: call moe_forward with router_logits");
+  check(hidden.dims.size() == 2, "hidden_states: expected shape [T, H], got ", dims_text(hidden.dims));
+  const int64_t T = hidden.dims[0], E = p.num_experts, k = p.top_k();
   check(T <= layer.max_tokens(), "hidden_states: T = ", T, " exceeds the layer's max_tokens = ", layer.max_tokens());
   expect(hidden, "hidden_states", {ffi::DataType::BF16}, {T, p.hidden}, "[T, H]");
-  expect(output, "output", {ffi::DataType::BF16}, {T, p.hidden}, "[T, H]");
+  if (routed) {
+    expect(a, "topk_ids", {ffi::DataType::S32}, {T, k}, "[T, k]");
+    expect(b, "topk_weights", {ffi::DataType::F32}, {T, k}, "[T, k]");
+    return T;
+  }
+  expect(a, "router_logits", {ffi::DataType::F32, ffi::DataType::BF16}, {T, E}, "[T, E]");
+  const bool has_bias = !(b.dims.size() == 1 && b.dims[0] == 0);
+  check(!has_bias || p.routing.method == RoutingMethod::DeepSeekV3,
+        "routing_bias is only used by deepseek_v3 routing, got method ", to_string(p.routing.method));
+  if (has_bias) expect(b, "routing_bias", {ffi::DataType::F32}, {E}, "[E]");
   return T;
 }
 
 void set_workspace(LayerCall& c, const PreparedLayer& layer, const ffi::AnyBuffer& workspace) {
-  expect(workspace, "workspace", {ffi::DataType::U8}, {int64_t(workspace.element_count())}, "[workspace_size()]");
+  expect(spec(workspace), "workspace", {ffi::DataType::U8}, {int64_t(workspace.element_count())}, "[workspace_size()]");
   check(workspace.size_bytes() >= layer.workspace_size(), "workspace: ", workspace.size_bytes(),
         " bytes, the layer needs workspace_size() = ", layer.workspace_size());
   c.workspace = workspace.untyped_data();
@@ -109,22 +140,16 @@ ffi::Error forward(CUstream_st* stream, bool on_cuda, int32_t device_ordinal, in
   try {
     const std::shared_ptr<PreparedLayer> layer = find_layer(id, on_cuda, device_ordinal);
     const MoeProblem& p = layer->problem();
-    check(p.routing.method != RoutingMethod::Precomputed,
-          "routing method precomputed: call moe_forward_routed with topk_ids and topk_weights");
-    const int64_t T = check_tokens(*layer, hidden, *output), E = p.num_experts, k = p.top_k();
-    expect(logits, "router_logits", {ffi::DataType::F32, ffi::DataType::BF16}, {T, E}, "[T, E]");
-    const bool has_bias = bias.element_count() > 0;
-    check(!has_bias || p.routing.method == RoutingMethod::DeepSeekV3,
-          "routing_bias is only used by deepseek_v3 routing, got method ", to_string(p.routing.method));
-    if (has_bias) expect(bias, "routing_bias", {ffi::DataType::F32}, {E}, "[E]");
-    expect(*topk_ids, "topk_ids", {ffi::DataType::S32}, {T, k}, "[T, k]");
-    expect(*topk_weights, "topk_weights", {ffi::DataType::F32}, {T, k}, "[T, k]");
+    const int64_t T = check_args(*layer, false, spec(hidden), spec(logits), spec(bias)), k = p.top_k();
+    expect(spec(*output), "output", {ffi::DataType::BF16}, {T, p.hidden}, "[T, H]");
+    expect(spec(*topk_ids), "topk_ids", {ffi::DataType::S32}, {T, k}, "[T, k]");
+    expect(spec(*topk_weights), "topk_weights", {ffi::DataType::F32}, {T, k}, "[T, k]");
     LayerCall c;
     c.num_tokens = T;
     c.hidden = hidden.untyped_data();
     c.logits = logits.untyped_data();
     c.logits_bf16 = logits.element_type() == ffi::DataType::BF16;
-    c.bias = has_bias ? static_cast<const float*>(bias.untyped_data()) : nullptr;
+    c.bias = bias.element_count() > 0 ? static_cast<const float*>(bias.untyped_data()) : nullptr;
     c.topk_ids = static_cast<int32_t*>(topk_ids->untyped_data());
     c.topk_weights = static_cast<float*>(topk_weights->untyped_data());
     c.output = output->untyped_data();
@@ -141,12 +166,8 @@ ffi::Error forward_routed(CUstream_st* stream, bool on_cuda, int32_t device_ordi
                           ffi::Result<ffi::AnyBuffer> output, ffi::Result<ffi::AnyBuffer> workspace) {
   try {
     const std::shared_ptr<PreparedLayer> layer = find_layer(id, on_cuda, device_ordinal);
-    const MoeProblem& p = layer->problem();
-    check(p.routing.method == RoutingMethod::Precomputed, "routing method ", to_string(p.routing.method),
-          " routes the layer's own logits: call moe_forward with router_logits");
-    const int64_t T = check_tokens(*layer, hidden, *output), k = p.top_k();
-    expect(topk_ids, "topk_ids", {ffi::DataType::S32}, {T, k}, "[T, k]");
-    expect(topk_weights, "topk_weights", {ffi::DataType::F32}, {T, k}, "[T, k]");
+    const int64_t T = check_args(*layer, true, spec(hidden), spec(topk_ids), spec(topk_weights));
+    expect(spec(*output), "output", {ffi::DataType::BF16}, {T, layer->problem().hidden}, "[T, H]");
     LayerCall c;
     c.num_tokens = T;
     c.hidden = hidden.untyped_data();
@@ -234,6 +255,22 @@ nb::capsule handler(XLA_FFI_Handler* fn) { return nb::capsule(reinterpret_cast<v
 }  // namespace
 
 void bind_jax_ffi(nb::module_& m) {
+  // Trace time: the same checks as the handlers, on (dtype name, shape) pairs of jax arrays.
+  m.def(
+      "_jax_check_args",
+      [](const Layer& layer, bool routed, const std::pair<std::string, std::vector<int64_t>>& hidden,
+         const std::pair<std::string, std::vector<int64_t>>& a, const std::pair<std::string, std::vector<int64_t>>& b) {
+        auto as_spec = [](const std::pair<std::string, std::vector<int64_t>>& x) {
+          return BufferSpec{dtype_of(x.first), ffi::Span<const int64_t>(x.second.data(), x.second.size())};
+        };
+        try {
+          return check_args(layer.prepared(), routed, as_spec(hidden), as_spec(a), as_spec(b));
+        } catch (const Error& e) {
+          throw Error(std::string("fp4moe.jax_ops.") + (routed ? "moe_forward_routed: " : "moe_forward: ") + e.what());
+        }
+      },
+      "layer"_a, "routed"_a, "hidden_states"_a, "a"_a, "b"_a,
+      "Checks a call's arguments as (dtype name, shape) against the layer; returns T (fp4moe.jax_ops).");
   m.def(
       "_jax_ffi_handlers",
       [] {

@@ -283,6 +283,7 @@ class Layer {
   Layer& operator=(const Layer&) = delete;
 
   int64_t id() const { return id_; }
+  const PreparedLayer& prepared() const { return *impl_; }
   const MoeProblem& problem() const { return impl_->problem(); }
   int64_t max_tokens() const { return impl_->max_tokens(); }
   std::string device() const { return impl_->device(); }

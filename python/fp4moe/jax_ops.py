@@ -41,28 +41,13 @@ def _impl(layer):
     return impl
 
 
-def _expect(name, x, dtypes, shape, symbolic):
-    dtype_names = " or ".join(str(np.dtype(d)) for d in dtypes)
-    if x.dtype not in [np.dtype(d) for d in dtypes]:
-        raise Error(f"fp4moe.jax_ops: {name}: expected {dtype_names}, got {x.dtype}")
-    if tuple(x.shape) != tuple(shape):
-        raise Error(f"fp4moe.jax_ops: {name}: expected shape {symbolic} = {list(shape)}, got {list(x.shape)}")
-
-
-def _hidden(impl, hidden_states):
-    problem = impl.problem
-    if hidden_states.ndim != 2:
-        raise Error(f"fp4moe.jax_ops: hidden_states: expected shape [T, H], got {list(hidden_states.shape)}")
-    T = hidden_states.shape[0]
-    if T > impl.max_tokens:
-        raise Error(f"fp4moe.jax_ops: hidden_states: T = {T} exceeds the layer's max_tokens = {impl.max_tokens}")
-    _expect("hidden_states", hidden_states, [jnp.bfloat16], (T, problem.hidden), "[T, H]")
-    return T
+def _spec(x):
+    return str(x.dtype), [int(d) for d in x.shape]
 
 
 def _results(impl, T, *routing):
-    problem = impl.problem
-    return (jax.ShapeDtypeStruct((T, problem.hidden), jnp.bfloat16),
+    """The call's results: output, the routing's (moe_forward), and the workspace that XLA allocates."""
+    return (jax.ShapeDtypeStruct((T, impl.problem.hidden), jnp.bfloat16),
             *routing,
             jax.ShapeDtypeStruct((impl.workspace_size(),), jnp.uint8))
 
@@ -72,20 +57,10 @@ def moe_forward(layer, hidden_states, router_logits, routing_bias=None):
     routing_bias (float32 [E]) with deepseek_v3 routing. Returns (output bf16 [T, H], topk_ids int32
     [T, k], topk_weights float32 [T, k])."""
     impl = _impl(layer)
-    problem = impl.problem
-    if problem.routing_method == "precomputed":
-        raise Error("fp4moe.jax_ops.moe_forward: routing method precomputed: call moe_forward_routed with "
-                    "topk_ids and topk_weights")
-    T = _hidden(impl, hidden_states)
-    E, k = problem.num_experts, problem.top_k
-    _expect("router_logits", router_logits, [jnp.float32, jnp.bfloat16], (T, E), "[T, E]")
     if routing_bias is None:
         routing_bias = jnp.zeros((0,), jnp.float32)  # none: the handler sees an empty buffer
-    elif problem.routing_method != "deepseek_v3":
-        raise Error(f"fp4moe.jax_ops.moe_forward: routing_bias is only used by deepseek_v3 routing, got method "
-                    f"{problem.routing_method}")
-    else:
-        _expect("routing_bias", routing_bias, [jnp.float32], (E,), "[E]")
+    T = _fp4moe._jax_check_args(impl, False, _spec(hidden_states), _spec(router_logits), _spec(routing_bias))
+    k = impl.problem.top_k
     results = _results(impl, T, jax.ShapeDtypeStruct((T, k), jnp.int32), jax.ShapeDtypeStruct((T, k), jnp.float32))
     output, topk_ids, topk_weights, _ = jax.ffi.ffi_call("fp4moe_moe_forward", results)(
         hidden_states, router_logits, routing_bias, layer=np.int64(impl.id))
@@ -96,14 +71,7 @@ def moe_forward_routed(layer, hidden_states, topk_ids, topk_weights):
     """The layer (routing method precomputed) on hidden_states (bf16 [T, H]) with the caller's topk_ids
     (int32 [T, k]) and topk_weights (float32 [T, k]). Returns the output, bf16 [T, H]."""
     impl = _impl(layer)
-    problem = impl.problem
-    if problem.routing_method != "precomputed":
-        raise Error(f"fp4moe.jax_ops.moe_forward_routed: routing method {problem.routing_method} routes the "
-                    "layer's own logits: call moe_forward with router_logits")
-    T = _hidden(impl, hidden_states)
-    k = problem.top_k
-    _expect("topk_ids", topk_ids, [jnp.int32], (T, k), "[T, k]")
-    _expect("topk_weights", topk_weights, [jnp.float32], (T, k), "[T, k]")
+    T = _fp4moe._jax_check_args(impl, True, _spec(hidden_states), _spec(topk_ids), _spec(topk_weights))
     output, _ = jax.ffi.ffi_call("fp4moe_moe_forward_routed", _results(impl, T))(
         hidden_states, topk_ids, topk_weights, layer=np.int64(impl.id))
     return output

@@ -117,6 +117,30 @@ def test_errors_at_trace_time_name_the_argument():
           jnp.zeros((1, 3), jnp.float32), jnp.zeros((1, 3), jnp.float32), op=jax_ops.moe_forward_routed, on=routed)
 
 
+def test_the_handlers_check_what_xla_hands_them():
+    """A custom call built without jax_ops (wrong result shapes, an unknown layer) fails in the handler."""
+    problem = fp4moe.preset("tiny")
+    case = fp4moe.random_case(problem, 2, seed=9)
+    layer = fp4moe.MoeLayer(problem, case["weights"], device="cpu", max_tokens=2)
+    x, logits, _ = inputs(case, CPU)
+    bias = jnp.zeros((0,), jnp.float32)
+    k = problem.top_k
+
+    def call(output_columns=problem.hidden, layer_id=layer._impl.id, workspace=jnp.uint8):
+        results = (jax.ShapeDtypeStruct((2, output_columns), jnp.bfloat16), jax.ShapeDtypeStruct((2, k), jnp.int32),
+                   jax.ShapeDtypeStruct((2, k), jnp.float32), jax.ShapeDtypeStruct((0,), workspace))
+        return jax.block_until_ready(
+            jax.ffi.ffi_call("fp4moe_moe_forward", results)(x, logits, bias, layer=np.int64(layer_id)))
+
+    assert np.array_equal(bits(call()[0]), layer(case["hidden_states"], case["router_logits"])[0])
+    with pytest.raises(Exception, match=r"output: expected shape \[T, H\] = \[2, 256\], got \[2, 272\]"):
+        call(output_columns=problem.hidden + 16)
+    with pytest.raises(Exception, match=r"workspace: expected uint8, got float32"):
+        call(workspace=jnp.float32)
+    with pytest.raises(Exception, match=r"layer 999999 no longer exists"):
+        call(layer_id=999999)
+
+
 def test_a_compiled_call_on_a_dropped_layer_fails_with_a_message():
     problem = fp4moe.preset("tiny")
     case = fp4moe.random_case(problem, 2, seed=8)
