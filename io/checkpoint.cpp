@@ -9,10 +9,10 @@
 // and projection read the packed weight, the e4m3 block scales (no NaN, no sign bit), scale_2 and the
 // input scale (finite and > 0; compressed-tensors values inverted in fp32), with dtype and shape
 // checked against the config (so shapes are consistent across experts); (4) fuse gate and up into
-// w13 under one scale_2 (policy of LoadOptions); (5) read the router weight (bf16 [E, H]) and the
-// DeepSeek score-correction bias; (6) with tensor parallelism keep this rank's columns of I
-// (tensor_parallel_shard). Shards are opened lazily and only once; every error names the file and the
-// tensor.
+// w13 under one scale_2 (policy of LoadOptions), keeping only this tensor-parallel rank's columns of I
+// (rows of gate / up, columns of down: io::tensor_parallel_range), so that a rank never holds more
+// than its share; (5) read the router weight (bf16 [E, H]) and the DeepSeek score-correction bias.
+// Shards are opened lazily and only once; every error names the file and the tensor.
 #include <algorithm>
 #include <bit>
 #include <cmath>
@@ -217,7 +217,18 @@ Projection read_projection(const Checkpoint::Impl& ck, const std::string& base, 
   return p;
 }
 
-void copy_bytes(const TensorView& t, uint8_t* dst) { std::memcpy(dst, t.data.data(), t.data.size()); }
+// Copies rows [row_begin, row_end) x bytes [col_begin, col_end) of a row-major tensor whose rows are
+// row_bytes long, packed, into dst.
+void copy_block(const TensorView& t, int64_t row_bytes, int64_t row_begin, int64_t row_end, int64_t col_begin,
+                int64_t col_end, uint8_t* dst) {
+  const auto* src = reinterpret_cast<const uint8_t*>(t.data.data());
+  const int64_t n = col_end - col_begin;
+  if (n == row_bytes) {  // whole rows: one contiguous range
+    std::memcpy(dst, src + row_begin * row_bytes, size_t((row_end - row_begin) * row_bytes));
+    return;
+  }
+  for (int64_t r = row_begin; r < row_end; ++r, dst += n) std::memcpy(dst, src + r * row_bytes + col_begin, size_t(n));
+}
 
 // Re-expresses block scales (n bytes) from scale_2 `from` to scale_2 `to` (to > from).
 void rescale_blocks(uint8_t* scales, int64_t n, float from, float to, ScaleFusionReport& rep) {
@@ -354,9 +365,10 @@ MoeLayerWeights Checkpoint::load_layer(int64_t layer, const LoadOptions& options
   w.expert_end = end;
   w.problem = cfg.problem;
   w.problem.num_experts = end - begin;
+  w.problem.inter = inter_end - inter_begin;  // this tensor-parallel rank's share (all of I without)
   w.total_inter = I;
-  w.inter_begin = 0;
-  w.inter_end = I;
+  w.inter_begin = inter_begin;
+  w.inter_end = inter_end;
   w.allocate_experts();
 
   // (3) + (4)
@@ -375,7 +387,7 @@ MoeLayerWeights Checkpoint::load_layer(int64_t layer, const LoadOptions& options
   }
   const std::string up_why = detail::concat("[out, in] = [I, H] = [", I, ", ", H, "] from config.json");
   const std::string down_why = detail::concat("[out, in] = [H, I] = [", H, ", ", I, "] from config.json");
-  const int64_t half_w = I * (H / 2), half_s = I * (H / 16);
+  const int64_t part = inter_end - inter_begin, half_w = part * (H / 2), half_s = part * (H / 16);
   for (int64_t e = begin; e < end; ++e) {
     const int64_t l = e - begin;
     const std::string base = experts + std::to_string(e) + ".";
@@ -384,10 +396,11 @@ MoeLayerWeights Checkpoint::load_layer(int64_t layer, const LoadOptions& options
     const Projection dn = read_projection(ck, base + names.down, H, I, down_why.c_str());
     uint8_t* w13 = w.w13.data() + l * 2 * half_w;
     uint8_t* s13 = w.w13_scale.data() + l * 2 * half_s;
-    copy_bytes(*g.weight, w13);
-    copy_bytes(*u.weight, w13 + half_w);
-    copy_bytes(*g.block_scale, s13);
-    copy_bytes(*u.block_scale, s13 + half_s);
+    // gate / up [I, H]: rows [inter_begin, inter_end); down [H, I]: those columns of every row.
+    copy_block(*g.weight, H / 2, inter_begin, inter_end, 0, H / 2, w13);
+    copy_block(*u.weight, H / 2, inter_begin, inter_end, 0, H / 2, w13 + half_w);
+    copy_block(*g.block_scale, H / 16, inter_begin, inter_end, 0, H / 16, s13);
+    copy_block(*u.block_scale, H / 16, inter_begin, inter_end, 0, H / 16, s13 + half_s);
     float s2 = g.scale_2;
     if (g.scale_2 != u.scale_2) {
       const std::string gn = base + names.gate, un = base + names.up;
@@ -401,8 +414,8 @@ MoeLayerWeights Checkpoint::load_layer(int64_t layer, const LoadOptions& options
     }
     w.w13_scale_2[l] = s2;
     w.w13_input_scale[l] = std::max(g.input_scale, u.input_scale);
-    copy_bytes(*dn.weight, w.w2.data() + l * H * (I / 2));
-    copy_bytes(*dn.block_scale, w.w2_scale.data() + l * H * (I / 16));
+    copy_block(*dn.weight, I / 2, 0, H, inter_begin / 2, inter_end / 2, w.w2.data() + l * H * (part / 2));
+    copy_block(*dn.block_scale, I / 16, 0, H, inter_begin / 16, inter_end / 16, w.w2_scale.data() + l * H * (part / 16));
     w.w2_scale_2[l] = dn.scale_2;
     w.w2_input_scale[l] = dn.input_scale;
   }
@@ -448,16 +461,6 @@ MoeLayerWeights Checkpoint::load_layer(int64_t layer, const LoadOptions& options
     for (int64_t i = 0; i < E; ++i)
       check(std::isfinite(w.routing_bias[i]), ck.file_of(bname), ": tensor '", bname, "': element ", i,
             " is not finite (", w.routing_bias[i], ")");
-  }
-  if (options.tp_size > 1) {  // (6) this rank's columns of I (the whole local experts were read above)
-    TensorParallelShard shard = tensor_parallel_shard(w.problem, w.weights(), options.tp_rank, options.tp_size);
-    w.problem = shard.problem;
-    w.inter_begin = inter_begin;
-    w.inter_end = inter_end;
-    w.w13 = std::move(shard.w13);
-    w.w13_scale = std::move(shard.w13_scale);
-    w.w2 = std::move(shard.w2);
-    w.w2_scale = std::move(shard.w2_scale);
   }
   return w;
 }

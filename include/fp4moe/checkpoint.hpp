@@ -103,7 +103,8 @@ struct CheckpointConfig {
 CheckpointConfig parse_checkpoint_config(std::string_view config_json, std::string_view quant_config_json,
                                          const std::string& where);
 
-// Result of the w1/w3 fusion of one layer.
+// Result of the w1/w3 fusion of one layer (of the block scales a rank loads: its experts, its
+// columns of I).
 struct ScaleFusionReport {
   int64_t experts_rescaled = 0;       // experts whose gate and up scale_2 differed
   int64_t block_scales_changed = 0;   // e4m3 block scales whose code changed

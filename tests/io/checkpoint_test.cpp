@@ -436,6 +436,22 @@ TEST(CheckpointFusion, DifferentGateUpScale2AreRescaledToTheMax) {
     EXPECT_EQ(w.fusion.worst_relative_change, worst);
     EXPECT_GT(w.fusion.worst_relative_change, 0.0);
     EXPECT_LT(w.fusion.worst_relative_change, 0.07);  // e4m3 has 3 mantissa bits: <= 2^-4 relative
+    // Tensor-parallel ranks rescale only their own columns of I: the same scales as the shard of the
+    // whole layer, and the ranks' counts add up to the whole layer's.
+    int64_t ranks_changed = 0;
+    for (int r = 0; r < 2; ++r) {
+      LoadOptions lo;
+      lo.tp_rank = r;
+      lo.tp_size = 2;
+      const MoeLayerWeights s = ck.load_layer(0, lo);
+      const TensorParallelShard want = tensor_parallel_shard(w.problem, w.weights(), r, 2);
+      EXPECT_EQ(s.w13_scale, want.w13_scale);
+      EXPECT_EQ(s.w13, want.w13);
+      EXPECT_EQ(s.w13_scale_2, w.w13_scale_2);
+      EXPECT_EQ(s.fusion.experts_rescaled, o.num_experts);
+      ranks_changed += s.fusion.block_scales_changed;
+    }
+    EXPECT_EQ(ranks_changed, w.fusion.block_scales_changed);
     LoadOptions strict;
     strict.fusion = ScaleFusionPolicy::Error;
     EXPECT_THAT([&] { ck.load_layer(0, strict); },
