@@ -53,6 +53,30 @@ ModelFamily parse_model_family(std::string_view name) {
               std::string(name) + "'");
 }
 
+namespace {
+// config.json model types whose MoE layers follow a family's tensor names, routing and config keys.
+struct ModelTypeRow {
+  std::string_view model_type;
+  ModelFamily family;
+};
+constexpr ModelTypeRow kModelTypes[] = {
+    {"deepseek_v3", ModelFamily::DeepSeekV3},  {"deepseek_v32", ModelFamily::DeepSeekV3},
+    {"kimi_k2", ModelFamily::DeepSeekV3},      {"glm4_moe", ModelFamily::DeepSeekV3},
+    {"qwen3_moe", ModelFamily::Qwen3Moe},      {"qwen3_next", ModelFamily::Qwen3Moe},
+    {"llama4", ModelFamily::Llama4},           {"llama4_text", ModelFamily::Llama4},
+    {"mixtral", ModelFamily::Mixtral},
+};
+}  // namespace
+
+ModelFamily family_of_model_type(std::string_view model_type) {
+  std::string known;
+  for (const ModelTypeRow& r : kModelTypes) {
+    if (r.model_type == model_type) return r.family;
+    known += (known.empty() ? "" : ", ") + std::string(r.model_type);
+  }
+  throw Error(detail::concat("model type '", model_type, "' is not a supported MoE model (supported: ", known, ")"));
+}
+
 ScaleFusionPolicy parse_scale_fusion_policy(std::string_view name) {
   if (name == "rescale_to_max") return ScaleFusionPolicy::RescaleToMax;
   if (name == "error") return ScaleFusionPolicy::Error;
@@ -285,7 +309,7 @@ CheckpointConfig parse_checkpoint_config(std::string_view config_json, std::stri
   // (3) family
   cfg.model_type = top.string("model_type");
   try {
-    cfg.family = parse_model_family(cfg.model_type == "llama4_text" ? "llama4" : cfg.model_type);
+    cfg.family = family_of_model_type(cfg.model_type);
   } catch (const Error& e) {
     throw Error(detail::concat(config_file, ": 'model_type': ", e.what()));
   }

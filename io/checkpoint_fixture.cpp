@@ -166,6 +166,11 @@ Fixture write_fixture(const std::string& dir, const FixtureOptions& o) {
 
   // (1) configs
   json config = family_config(o);
+  if (!o.model_type.empty()) {  // another model type of the same family (Kimi-K2, GLM-4.5, Qwen3-Next, ...)
+    check(family_of_model_type(o.model_type) == o.family, "write_fixture: model_type '", o.model_type,
+          "' is not of family ", to_string(o.family));
+    config["model_type"] = o.model_type;
+  }
   json quant;
   if (ct) {
     json fp4 = {{"num_bits", 4}, {"type", "float"}, {"strategy", "tensor_group"}, {"group_size", 16},

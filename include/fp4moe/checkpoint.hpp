@@ -18,7 +18,9 @@
 //                         config group the checkpoint is weight-only (act_quant w4a16): input scales
 //                         are then not read and are set to 1.0f (unused by w4a16).
 //
-// Model families (layer prefix, expert names, router):
+// Model families (layer prefix, expert names, router), chosen by config.json's model_type
+// (family_of_model_type: DeepSeek-V3 / V3.2, Kimi-K2 and GLM-4.5/4.6 are deepseek_v3; Qwen3-Next is
+// qwen3_moe):
 //   deepseek_v3  model.layers.L.mlp.experts.E.{gate,up,down}_proj, router mlp.gate.weight and
 //                mlp.gate.e_score_correction_bias; layers < first_k_dense_replace are dense; the shared
 //                expert mlp.shared_experts is reported by inspect but is not part of the routed MoE.
@@ -74,6 +76,9 @@ std::string_view to_string(ModelFamily f);        // "deepseek_v3", "qwen3_moe",
 std::string_view to_string(ScaleFusionPolicy p);  // "rescale_to_max", "error"
 CheckpointFormat parse_checkpoint_format(std::string_view name);  // throws fp4moe::Error
 ModelFamily parse_model_family(std::string_view name);            // also accepts "deepseek", "qwen3"
+// The family of a config.json model_type: deepseek_v3, deepseek_v32, kimi_k2, glm4_moe -> deepseek_v3;
+// qwen3_moe, qwen3_next -> qwen3_moe; llama4, llama4_text -> llama4; mixtral. Throws fp4moe::Error.
+ModelFamily family_of_model_type(std::string_view model_type);
 ScaleFusionPolicy parse_scale_fusion_policy(std::string_view name);
 
 // What config.json (+ the quantization config) says about the MoE layers.
@@ -214,6 +219,7 @@ struct FixtureOptions {
   int64_t inter = 32;
   int top_k = 2;                 // llama4: 1
   int num_shards = 2;            // 1: a single model.safetensors without index
+  std::string model_type;        // config.json's model_type; empty: the family's own name
   bool llama4_language_model_prefix = true;
   float up_scale_2_factor = 1.0f;  // != 1: up's weight_scale_2 = gate's * factor (fusion tests)
   std::vector<std::string> excluded_modules = {"lm_head"};  // exclude_modules (ModelOpt) / ignore (CT)

@@ -150,7 +150,7 @@ TEST(Checkpoint, ConfigErrorsNameTheFileAndKey) {
   throws(cfg, R"({"quantization":{"quant_algo":"NVFP4","group_size":32}})", {"group_size", "32"});
   throws(cfg, R"({"quantization":)", {"D/hf_quant_config.json", "invalid JSON"});
   throws(cfg, "", {"no quantization description"});
-  throws(R"({"model_type":"gpt2"})", R"({"quantization":{"quant_algo":"NVFP4"}})", {"model family", "gpt2"});
+  throws(R"({"model_type":"gpt2"})", R"({"quantization":{"quant_algo":"NVFP4"}})", {"'model_type'", "model type 'gpt2' is not a supported MoE model", "kimi_k2", "qwen3_next"});
   throws(R"({"model_type":"mixtral","num_hidden_layers":1,"hidden_size":"64"})",
          R"({"quantization":{"quant_algo":"NVFP4"}})", {"D/config.json", "hidden_size", "must be an integer"});
   throws(R"({"model_type":"mixtral","num_hidden_layers":1,"hidden_size":60,"num_local_experts":4,"intermediate_size":32,"num_experts_per_tok":2})",
@@ -394,6 +394,37 @@ TEST(CheckpointBadInput, NonUtf8Names) {
     f.write("\xc3(", 2);
   }
   EXPECT_THAT([&] { Checkpoint::open(dir2); }, ::testing::ThrowsMessage<Error>(HasSubstr("model.safetensors")));
+}
+
+TEST(CheckpointModelTypes, SiblingsOfAFamilyLoadAsThatFamily) {
+  // Same tensor names, config keys and routing as their family: DeepSeek-V3.2, Kimi-K2 and GLM-4.5/4.6
+  // are DeepSeek-V3 models, Qwen3-Next a Qwen3-MoE one.
+  const std::pair<const char*, ModelFamily> siblings[] = {{"deepseek_v32", ModelFamily::DeepSeekV3},
+                                                          {"kimi_k2", ModelFamily::DeepSeekV3},
+                                                          {"glm4_moe", ModelFamily::DeepSeekV3},
+                                                          {"qwen3_next", ModelFamily::Qwen3Moe}};
+  for (const auto& [model_type, family] : siblings) {
+    SCOPED_TRACE(model_type);
+    const std::string dir = fresh_dir(std::string("sibling_") + model_type);
+    FixtureOptions o;
+    o.family = family;
+    o.model_type = model_type;
+    o.num_shards = 1;
+    const Fixture fx = write_fixture(dir, o);
+    const Checkpoint ck = Checkpoint::open(dir);
+    EXPECT_EQ(ck.config().model_type, model_type);
+    EXPECT_EQ(ck.config().family, family);
+    ASSERT_FALSE(fx.layers.empty());
+    for (const auto& [layer, want] : fx.layers) expect_same_layer(ck.load_layer(layer), want);
+  }
+  EXPECT_EQ(family_of_model_type("llama4_text"), ModelFamily::Llama4);
+  EXPECT_THAT([] { family_of_model_type("gpt_oss"); },
+              ::testing::ThrowsMessage<Error>(HasSubstr("model type 'gpt_oss' is not a supported MoE model")));
+  FixtureOptions mismatch;
+  mismatch.family = ModelFamily::Mixtral;
+  mismatch.model_type = "kimi_k2";
+  EXPECT_THAT([&] { write_fixture(fresh_dir("sibling_mismatch"), mismatch); },
+              ::testing::ThrowsMessage<Error>(HasSubstr("model_type 'kimi_k2' is not of family mixtral")));
 }
 
 TEST(CheckpointFusion, DifferentGateUpScale2AreRescaledToTheMax) {
