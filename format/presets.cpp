@@ -53,6 +53,14 @@ const std::vector<PresetRow>& rows() {
        act_of(Activation::SwiGLU)},
       {"gpt-oss-120b", 128, 2880, 2880, routing_of(RoutingMethod::Renormalize, 4),
        act_of(Activation::SwiGLUOai, 1.702f, 1.0f, 7.0f)},
+      // Models built like a preset above (checkpoint families in fp4moe/checkpoint.hpp): Kimi-K2 and
+      // GLM-4.6 route like DeepSeek-V3 with one group, Qwen3-Next like Qwen3 with 512 narrow experts.
+      {"kimi-k2", 384, 7168, 2048, routing_of(RoutingMethod::DeepSeekV3, 8, 1, 1, 2.827f),
+       act_of(Activation::SwiGLU)},
+      {"glm-4.6", 160, 5120, 1536, routing_of(RoutingMethod::DeepSeekV3, 8, 1, 1, 2.5f),
+       act_of(Activation::SwiGLU)},
+      {"qwen3-next-80b-a3b", 512, 2048, 512, routing_of(RoutingMethod::Renormalize, 10),
+       act_of(Activation::SwiGLU)},
       // Small enough for the CPU reference to run in well under a second.
       {"tiny", 8, 256, 128, routing_of(RoutingMethod::Renormalize, 2), act_of(Activation::SwiGLU)},
   };

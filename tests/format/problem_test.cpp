@@ -221,7 +221,8 @@ TEST(Problem, Describe) {
 TEST(Preset, AllPresetsValidate) {
   const auto names = preset_names();
   EXPECT_EQ(names, (std::vector<std::string>{"deepseek-r1", "qwen3-30b-a3b", "qwen3-235b-a22b", "llama4-scout",
-                                             "gpt-oss-120b", "tiny"}));
+                                             "gpt-oss-120b", "kimi-k2", "glm-4.6", "qwen3-next-80b-a3b",
+                                             "tiny"}));
   for (const auto& n : names)
     for (ActQuant q : {ActQuant::W4A16, ActQuant::W4A4Scalar, ActQuant::W4A4PerExpert}) {
       const MoeProblem p = preset(n, q);
@@ -274,6 +275,13 @@ TEST(Preset, ModelShapes) {
   EXPECT_EQ(oss.activation.swiglu_alpha, 1.702f);
   EXPECT_EQ(oss.activation.swiglu_beta, 1.0f);
   EXPECT_EQ(oss.activation.swiglu_limit, 7.0f);
+
+  EXPECT_EQ(preset("kimi-k2").describe(),
+            "E=384 H=7168 I=2048 k=8 routing=deepseek_v3(n_group=1,topk_group=1,scale=2.827) act=swiglu quant=w4a16");
+  EXPECT_EQ(preset("glm-4.6").describe(),
+            "E=160 H=5120 I=1536 k=8 routing=deepseek_v3(n_group=1,topk_group=1,scale=2.5) act=swiglu quant=w4a16");
+  EXPECT_EQ(preset("qwen3-next-80b-a3b").describe(),
+            "E=512 H=2048 I=512 k=10 routing=renormalize act=swiglu quant=w4a16");
 
   const MoeProblem tiny = preset("tiny");
   EXPECT_LE(tiny.num_experts * tiny.hidden * tiny.w13_rows(), 1 << 20);  // CPU-sized

@@ -123,6 +123,10 @@ std::vector<LayerCase> preset_cases() {
   v.push_back({"llama4-scout", ActQuant::W4A4Scalar, 1});
   v.push_back({"gpt-oss-120b", ActQuant::W4A16, 24});
   v.push_back({"gpt-oss-120b", ActQuant::W4A4Scalar, 5});
+  v.push_back({"kimi-k2", ActQuant::W4A4Scalar, 9});  // 384 experts, one group
+  v.push_back({"glm-4.6", ActQuant::W4A16, 12});
+  v.push_back({"qwen3-next-80b-a3b", ActQuant::W4A16, 30});  // 512 experts, k = 10
+  v.push_back({"qwen3-next-80b-a3b", ActQuant::W4A4Scalar, 2});
   return v;
 }
 

@@ -152,8 +152,7 @@ TEST(Registry, WhyInvalidNamesTheRule) {
 
 TEST(Registry, HeuristicIsValidForEveryBucketOfEveryPreset) {
   std::vector<MoeProblem> problems;
-  for (const char* name : {"deepseek-r1", "qwen3-30b-a3b", "qwen3-235b-a22b", "llama4-scout", "gpt-oss-120b", "tiny"})
-    problems.push_back(preset(name, ActQuant::W4A4Scalar));
+  for (const std::string& name : preset_names()) problems.push_back(preset(name, ActQuant::W4A4Scalar));
   problems.push_back(problem(4, 16, 16, 1));  // the smallest shape the runner accepts
   problems.push_back(problem(16, 1024, 384, 2));
   for (const MoeProblem& p : problems) {
