@@ -121,7 +121,7 @@ int64_t check_args(const PreparedLayer& layer, bool routed, const BufferSpec& hi
   return T;
 }
 
-void set_workspace(LayerCall& c, const PreparedLayer& layer, const ffi::AnyBuffer& workspace) {
+void set_workspace(ForwardArgs& c, const PreparedLayer& layer, const ffi::AnyBuffer& workspace) {
   expect(spec(workspace), "workspace", {ffi::DataType::U8}, {int64_t(workspace.element_count())}, "[workspace_size()]");
   check(workspace.size_bytes() >= layer.workspace_size(), "workspace: ", workspace.size_bytes(),
         " bytes, the layer needs workspace_size() = ", layer.workspace_size());
@@ -144,12 +144,12 @@ ffi::Error forward(CUstream_st* stream, bool on_cuda, int32_t device_ordinal, in
     expect(spec(*output), "output", {ffi::DataType::BF16}, {T, p.hidden}, "[T, H]");
     expect(spec(*topk_ids), "topk_ids", {ffi::DataType::S32}, {T, k}, "[T, k]");
     expect(spec(*topk_weights), "topk_weights", {ffi::DataType::F32}, {T, k}, "[T, k]");
-    LayerCall c;
+    ForwardArgs c;
     c.num_tokens = T;
     c.hidden = hidden.untyped_data();
-    c.logits = logits.untyped_data();
-    c.logits_bf16 = logits.element_type() == ffi::DataType::BF16;
-    c.bias = bias.element_count() > 0 ? static_cast<const float*>(bias.untyped_data()) : nullptr;
+    c.router_logits = logits.untyped_data();
+    c.logits_dtype = logits.element_type() == ffi::DataType::BF16 ? LogitsDType::BF16 : LogitsDType::F32;
+    c.routing_bias = bias.element_count() > 0 ? static_cast<const float*>(bias.untyped_data()) : nullptr;
     c.topk_ids = static_cast<int32_t*>(topk_ids->untyped_data());
     c.topk_weights = static_cast<float*>(topk_weights->untyped_data());
     c.output = output->untyped_data();
@@ -168,10 +168,10 @@ ffi::Error forward_routed(CUstream_st* stream, bool on_cuda, int32_t device_ordi
     const std::shared_ptr<PreparedLayer> layer = find_layer(id, on_cuda, device_ordinal);
     const int64_t T = check_args(*layer, true, spec(hidden), spec(topk_ids), spec(topk_weights));
     expect(spec(*output), "output", {ffi::DataType::BF16}, {T, layer->problem().hidden}, "[T, H]");
-    LayerCall c;
+    ForwardArgs c;
     c.num_tokens = T;
     c.hidden = hidden.untyped_data();
-    // NOTE: precomputed ids and weights are only read; LayerCall's pointers are non-const because
+    // NOTE: precomputed ids and weights are only read; ForwardArgs' pointers are non-const because
     // the routing methods write them.
     c.topk_ids = static_cast<int32_t*>(topk_ids.untyped_data());
     c.topk_weights = static_cast<float*>(topk_weights.untyped_data());

@@ -4,9 +4,9 @@
 // (python/module.cpp).
 //
 //   PreparedLayer(problem, weights, device, ...)   checks and prepares the weights (host arrays)
-//   PreparedLayer.run(LayerCall, stream)          the forward on raw pointers, outputs and workspace
-//       included: it allocates nothing on cuda, never synchronises, takes no Python lock and
-//       captures into a CUDA graph like MoeRunner::forward
+//   PreparedLayer.run(ForwardArgs, stream)        the forward on checked raw pointers (host pointers
+//       on the cpu), outputs and workspace included: it allocates nothing on cuda, never
+//       synchronises, takes no Python lock and captures into a CUDA graph like MoeRunner::forward
 //   Layer                                          the Python class: a PreparedLayer, the DLPack
 //       checks of Layer.forward, and an id in LayerRegistry by which the JAX custom calls
 //       (python/jax_ffi.cpp) find the layer
@@ -110,21 +110,6 @@ struct HostWeights {
   }
 };
 
-// One forward's tensors as raw pointers, already checked against the problem (Layer::forward checks
-// DLPack tensors, python/jax_ffi.cpp XLA buffers). Shapes: T = num_tokens, k = top_k.
-struct LayerCall {
-  int64_t num_tokens = 0;
-  const void* hidden = nullptr;        // bf16 [T, H]
-  const void* logits = nullptr;        // [T, E] f32 or bf16 (logits_bf16); null with precomputed routing
-  bool logits_bf16 = false;
-  const float* bias = nullptr;         // [E] or null (deepseek_v3 only)
-  int32_t* topk_ids = nullptr;         // [T, k]: written, or read with precomputed routing
-  float* topk_weights = nullptr;       // [T, k]: written, or read with precomputed routing
-  void* output = nullptr;              // bf16 [T, H]
-  void* workspace = nullptr;           // cuda: workspace_size() bytes
-  size_t workspace_bytes = 0;
-};
-
 // The problem and its prepared weights: on a Hopper GPU (MoeRunner) or canonical host copies for the
 // CPU reference.
 class PreparedLayer {
@@ -185,23 +170,13 @@ class PreparedLayer {
     runner_->use_tune_cache(path);
   }
 
-  // The forward of a checked call on `stream` (cuda; ignored on the cpu). Throws Error; the caller
+  // The forward of a call checked against the problem (Layer::forward checks DLPack tensors,
+  // python/jax_ffi.cpp XLA buffers) on `stream` (cuda; ignored on the cpu). Throws Error; the caller
   // releases the Python lock if it holds it.
-  void run(const LayerCall& c, uintptr_t stream) const {
+  void run(const ForwardArgs& a, uintptr_t stream) const {
     const MoeProblem& p = problem_;
     const bool routed = p.routing.method == RoutingMethod::Precomputed;
     if (runner_) {
-      ForwardArgs a;
-      a.num_tokens = c.num_tokens;
-      a.hidden = c.hidden;
-      a.router_logits = c.logits;
-      a.logits_dtype = c.logits_bf16 ? LogitsDType::BF16 : LogitsDType::F32;
-      a.routing_bias = c.bias;
-      a.topk_ids = c.topk_ids;
-      a.topk_weights = c.topk_weights;
-      a.output = c.output;
-      a.workspace = c.workspace;
-      a.workspace_bytes = c.workspace_bytes;
       auto* cu_stream = reinterpret_cast<CUstream_st*>(stream);
       const Status st = routed ? runner_->forward_routed(cu_stream, a) : runner_->forward(cu_stream, a);
       if (!st.ok()) throw Error(st.message);
@@ -209,23 +184,25 @@ class PreparedLayer {
     }
 
     // The CPU reference (DESIGN.md §1), with the caller's routing when precomputed.
-    const int64_t T = c.num_tokens;
+    const int64_t T = a.num_tokens;
+    const bool logits_bf16 = a.logits_dtype == LogitsDType::BF16;
     std::vector<float> widened;
     reference::RouterInput router;
-    router.logits = c.logits ? logits_as_f32(c.logits, c.logits_bf16, size_t(T * p.num_experts), widened) : nullptr;
-    router.bias = c.bias;
+    router.logits =
+        a.router_logits ? logits_as_f32(a.router_logits, logits_bf16, size_t(T * p.num_experts), widened) : nullptr;
+    router.bias = a.routing_bias;
     if (routed) {
-      router.topk_ids = c.topk_ids;
-      router.topk_weights = c.topk_weights;
+      router.topk_ids = a.topk_ids;
+      router.topk_weights = a.topk_weights;
     }
     const reference::MoeWeights w{w13_.data(), w13_scale_.data(), w13_scale_2_.data(), w13_input_scale_.data(),
                                   w2_.data(),  w2_scale_.data(),  w2_scale_2_.data(),  w2_input_scale_.data(),
                                   w13_input_scale_max_};
-    const reference::MoeResult r = reference::moe_forward(p, T, static_cast<const uint16_t*>(c.hidden), router, w);
-    std::memcpy(c.output, r.output.data(), r.output.size() * sizeof(uint16_t));
+    const reference::MoeResult r = reference::moe_forward(p, T, static_cast<const uint16_t*>(a.hidden), router, w);
+    std::memcpy(a.output, r.output.data(), r.output.size() * sizeof(uint16_t));
     if (!routed) {
-      std::memcpy(c.topk_ids, r.topk_ids.data(), r.topk_ids.size() * sizeof(int32_t));
-      std::memcpy(c.topk_weights, r.topk_weights.data(), r.topk_weights.size() * sizeof(float));
+      std::memcpy(a.topk_ids, r.topk_ids.data(), r.topk_ids.size() * sizeof(int32_t));
+      std::memcpy(a.topk_weights, r.topk_weights.data(), r.topk_weights.size() * sizeof(float));
     }
   }
 
@@ -301,17 +278,17 @@ class Layer {
     const int64_t T = int64_t(hidden.shape(0)), E = p.num_experts, H = p.hidden, k = p.top_k();
     check(T <= impl_->max_tokens(), "Layer.forward: hidden_states: T = ", T, " exceeds the layer's max_tokens = ",
           impl_->max_tokens());
-    LayerCall c;
+    ForwardArgs c;
     c.num_tokens = T;
     c.hidden = t(hidden, "hidden_states", Elem::BF16, {T, H}, "[T, H]");
     check(routed != logits.has_value(), "Layer.forward: ",
           routed ? "routing method precomputed takes topk_ids and topk_weights, not router_logits"
                  : "router_logits is required (routing method " + std::string(to_string(p.routing.method)) + ")");
-    c.logits = logits ? t(*logits, "router_logits", Elem::Logits, {T, E}, "[T, E]") : nullptr;
-    c.logits_bf16 = logits && !matches(logits->dtype(), Elem::F32);
+    c.router_logits = logits ? t(*logits, "router_logits", Elem::Logits, {T, E}, "[T, E]") : nullptr;
+    c.logits_dtype = logits && !matches(logits->dtype(), Elem::F32) ? LogitsDType::BF16 : LogitsDType::F32;
     check(!bias || p.routing.method == RoutingMethod::DeepSeekV3,
           "Layer.forward: routing_bias is only used by deepseek_v3 routing, got method ", to_string(p.routing.method));
-    c.bias = bias ? static_cast<const float*>(t(*bias, "routing_bias", Elem::F32, {E}, "[E]")) : nullptr;
+    c.routing_bias = bias ? static_cast<const float*>(t(*bias, "routing_bias", Elem::F32, {E}, "[E]")) : nullptr;
     c.topk_ids = static_cast<int32_t*>(t(topk_ids, "topk_ids", Elem::I32, {T, k}, "[T, k]"));
     c.topk_weights = static_cast<float*>(t(topk_weights, "topk_weights", Elem::F32, {T, k}, "[T, k]"));
     c.output = t(output, "output", Elem::BF16, {T, H}, "[T, H]");
