@@ -121,12 +121,20 @@ int64_t check_args(const PreparedLayer& layer, bool routed, const BufferSpec& hi
   return T;
 }
 
+// NOTE: MoeRunner takes a 256-byte aligned workspace and XLA aligns its buffers less strictly, so a
+// call asks XLA for kWorkspaceAlign - 1 bytes more than the layer needs and aligns inside them.
+constexpr size_t kWorkspaceAlign = 256;
+size_t workspace_request(const PreparedLayer& layer) {
+  return layer.on_cuda() ? layer.workspace_size() + kWorkspaceAlign - 1 : 0;
+}
+
 void set_workspace(ForwardArgs& c, const PreparedLayer& layer, const ffi::AnyBuffer& workspace) {
-  expect(spec(workspace), "workspace", {ffi::DataType::U8}, {int64_t(workspace.element_count())}, "[workspace_size()]");
-  check(workspace.size_bytes() >= layer.workspace_size(), "workspace: ", workspace.size_bytes(),
-        " bytes, the layer needs workspace_size() = ", layer.workspace_size());
-  c.workspace = workspace.untyped_data();
-  c.workspace_bytes = workspace.size_bytes();
+  expect(spec(workspace), "workspace", {ffi::DataType::U8}, {int64_t(workspace_request(layer))},
+         "[workspace_size() + 255]");
+  const auto base = reinterpret_cast<uintptr_t>(workspace.untyped_data());
+  const size_t skip = (kWorkspaceAlign - base % kWorkspaceAlign) % kWorkspaceAlign;
+  c.workspace = reinterpret_cast<void*>(base + skip);
+  c.workspace_bytes = workspace.size_bytes() - skip;  // >= workspace_size(): skip < kWorkspaceAlign
 }
 
 ffi::Error failure(const char* op, int64_t id, const std::exception& e) {
@@ -255,6 +263,9 @@ nb::capsule handler(XLA_FFI_Handler* fn) { return nb::capsule(reinterpret_cast<v
 }  // namespace
 
 void bind_jax_ffi(nb::module_& m) {
+  m.def(
+      "_jax_workspace_bytes", [](const Layer& layer) { return workspace_request(layer.prepared()); }, "layer"_a,
+      "Bytes of the workspace result a call declares (the layer's workspace and room to align it).");
   // Trace time: the same checks as the handlers, on (dtype name, shape) pairs of jax arrays.
   m.def(
       "_jax_check_args",

@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <span>
 #include <vector>
 
 #include "fp4moe/runner.hpp"
@@ -248,10 +249,12 @@ Status GpuMoeRunner::check_args(cudaStream_t stream, const ForwardArgs& a, bool 
   }
   const bool capturing = capture != cudaStreamCaptureStatusNone;
   struct Ptr { const void* p; const char* name; size_t align; };
-  std::vector<Ptr> ptrs = {{a.hidden, "hidden", 16}, {a.output, "output", 16}, {a.topk_ids, "topk_ids", 4},
-                           {a.topk_weights, "topk_weights", 4}, {a.workspace, "workspace", kAlign}};
-  if (!routed) ptrs.push_back({a.router_logits, "router_logits", a.logits_dtype == LogitsDType::F32 ? 4u : 2u});
-  for (const Ptr& q : ptrs) {
+  // NOTE: a fixed array, not a vector: the forward path allocates nothing on the host either.
+  const Ptr ptrs[] = {{a.hidden, "hidden", 16},           {a.output, "output", 16},
+                      {a.topk_ids, "topk_ids", 4},        {a.topk_weights, "topk_weights", 4},
+                      {a.workspace, "workspace", kAlign},
+                      {a.router_logits, "router_logits", a.logits_dtype == LogitsDType::F32 ? 4u : 2u}};
+  for (const Ptr& q : std::span(ptrs, routed ? 5 : 6)) {  // routed: no logits
     if (!q.p) return fail(q.name, " is null");
     if (reinterpret_cast<uintptr_t>(q.p) % q.align != 0) return fail(q.name, " must be ", q.align, "-byte aligned");
     if (capturing) continue;

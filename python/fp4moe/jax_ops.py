@@ -49,7 +49,7 @@ def _results(impl, T, *routing):
     """The call's results: output, the routing's (moe_forward), and the workspace that XLA allocates."""
     return (jax.ShapeDtypeStruct((T, impl.problem.hidden), jnp.bfloat16),
             *routing,
-            jax.ShapeDtypeStruct((impl.workspace_size(),), jnp.uint8))
+            jax.ShapeDtypeStruct((_fp4moe._jax_workspace_bytes(impl),), jnp.uint8))
 
 
 def moe_forward(layer, hidden_states, router_logits, routing_bias=None):
