@@ -270,7 +270,8 @@ struct FinalizeArgs {
   const int32_t* topk_ids = nullptr;    // [T, k] or nullptr: when given, a slot whose id is outside
   int num_experts = 0;                  //   [0, num_experts) makes its token's output row NaN, or
   bool skip_foreign_ids = false;        //   with skip_foreign_ids adds nothing (another rank's expert)
-  __nv_bfloat16* out = nullptr;         // [T, H]
+  __nv_bfloat16* out = nullptr;         // [T, H], or
+  float* out_f32 = nullptr;             //   [T, H] the fp32 sums, not rounded (exactly one of the two)
 };
 cudaError_t launch_finalize(const FinalizeArgs& args, cudaStream_t stream);
 

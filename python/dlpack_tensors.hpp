@@ -28,7 +28,7 @@ using InArray = nb::ndarray<nb::ro>;  // the same, read-only accepted (inputs)
 constexpr int kDLCPU = 1, kDLCUDA = 2, kDLCUDAHost = 3;
 
 // ---- tensor checks ---------------------------------------------------------------------------------
-enum class Elem { BF16, F32, I32, Packed, E4M3, Bytes, Logits };
+enum class Elem { BF16, F32, I32, Packed, E4M3, Bytes, F32OrBF16 };  // F32OrBF16: logits, outputs
 
 inline bool is(nb::dlpack::dtype d, Code code, int bits) { return d.code == uint8_t(code) && d.bits == bits && d.lanes == 1; }
 
@@ -40,7 +40,7 @@ inline bool matches(nb::dlpack::dtype d, Elem e) {
     case Elem::Packed: return is(d, Code::UInt, 8) || is(d, Code::Int, 8);
     case Elem::E4M3: return is(d, Code::Float8_E4M3FN, 8) || is(d, Code::UInt, 8);
     case Elem::Bytes: return is(d, Code::UInt, 8) || is(d, Code::Int, 8);
-    case Elem::Logits: return matches(d, Elem::F32) || matches(d, Elem::BF16);
+    case Elem::F32OrBF16: return matches(d, Elem::F32) || matches(d, Elem::BF16);
   }
   return false;
 }
@@ -53,7 +53,7 @@ inline const char* expected_dtype(Elem e) {
     case Elem::Packed: return "uint8 (two e2m1 codes per byte)";
     case Elem::E4M3: return "float8_e4m3fn (or its bits as uint8)";
     case Elem::Bytes: return "uint8 or int8";
-    case Elem::Logits: return "float32 or bfloat16 (or its bits as int16 / uint16)";
+    case Elem::F32OrBF16: return "float32 or bfloat16 (or its bits as int16 / uint16)";
   }
   return "?";
 }

@@ -3,7 +3,8 @@
 //
 //   fp4moe_moe_forward         args   hidden_states bf16 [T, H], router_logits f32|bf16 [T, E],
 //                                     routing_bias f32 [E] or [0] (none)
-//                              rets   output bf16 [T, H], topk_ids s32 [T, k], topk_weights f32 [T, k],
+//                              rets   output bf16 (or f32: the sums before the rounding) [T, H], topk_ids
+//                                     s32 [T, k], topk_weights f32 [T, k],
 //                                     workspace u8 [workspace_size()]
 //   fp4moe_moe_forward_routed  args   hidden_states, topk_ids, topk_weights (precomputed routing)
 //                              rets   output, workspace
@@ -121,6 +122,12 @@ int64_t check_args(const PreparedLayer& layer, bool routed, const BufferSpec& hi
   return T;
 }
 
+// bf16, or float32 for the fp32 sums before the rounding (ForwardArgs::output_dtype).
+void set_output(ForwardArgs& c, const ffi::AnyBuffer& output) {
+  c.output = output.untyped_data();
+  c.output_dtype = output.element_type() == ffi::DataType::F32 ? OutputDType::F32 : OutputDType::BF16;
+}
+
 // NOTE: MoeRunner takes a 256-byte aligned workspace and XLA aligns its buffers less strictly, so a
 // call asks XLA for kWorkspaceAlign - 1 bytes more than the layer needs and aligns inside them.
 constexpr size_t kWorkspaceAlign = 256;
@@ -149,7 +156,7 @@ ffi::Error forward(CUstream_st* stream, bool on_cuda, int32_t device_ordinal, in
     const std::shared_ptr<PreparedLayer> layer = find_layer(id, on_cuda, device_ordinal);
     const MoeProblem& p = layer->problem();
     const int64_t T = check_args(*layer, false, spec(hidden), spec(logits), spec(bias)), k = p.top_k();
-    expect(spec(*output), "output", {ffi::DataType::BF16}, {T, p.hidden}, "[T, H]");
+    expect(spec(*output), "output", {ffi::DataType::BF16, ffi::DataType::F32}, {T, p.hidden}, "[T, H]");
     expect(spec(*topk_ids), "topk_ids", {ffi::DataType::S32}, {T, k}, "[T, k]");
     expect(spec(*topk_weights), "topk_weights", {ffi::DataType::F32}, {T, k}, "[T, k]");
     ForwardArgs c;
@@ -160,7 +167,7 @@ ffi::Error forward(CUstream_st* stream, bool on_cuda, int32_t device_ordinal, in
     c.routing_bias = bias.element_count() > 0 ? static_cast<const float*>(bias.untyped_data()) : nullptr;
     c.topk_ids = static_cast<int32_t*>(topk_ids->untyped_data());
     c.topk_weights = static_cast<float*>(topk_weights->untyped_data());
-    c.output = output->untyped_data();
+    set_output(c, *output);
     set_workspace(c, *layer, *workspace);
     layer->run(c, reinterpret_cast<uintptr_t>(stream));
     return ffi::Error::Success();
@@ -175,7 +182,7 @@ ffi::Error forward_routed(CUstream_st* stream, bool on_cuda, int32_t device_ordi
   try {
     const std::shared_ptr<PreparedLayer> layer = find_layer(id, on_cuda, device_ordinal);
     const int64_t T = check_args(*layer, true, spec(hidden), spec(topk_ids), spec(topk_weights));
-    expect(spec(*output), "output", {ffi::DataType::BF16}, {T, layer->problem().hidden}, "[T, H]");
+    expect(spec(*output), "output", {ffi::DataType::BF16, ffi::DataType::F32}, {T, layer->problem().hidden}, "[T, H]");
     ForwardArgs c;
     c.num_tokens = T;
     c.hidden = hidden.untyped_data();
@@ -183,7 +190,7 @@ ffi::Error forward_routed(CUstream_st* stream, bool on_cuda, int32_t device_ordi
     // the routing methods write them.
     c.topk_ids = static_cast<int32_t*>(topk_ids.untyped_data());
     c.topk_weights = static_cast<float*>(topk_weights.untyped_data());
-    c.output = output->untyped_data();
+    set_output(c, *output);
     set_workspace(c, *layer, *workspace);
     layer->run(c, reinterpret_cast<uintptr_t>(stream));
     return ffi::Error::Success();

@@ -199,7 +199,8 @@ class PreparedLayer {
                                   w2_.data(),  w2_scale_.data(),  w2_scale_2_.data(),  w2_input_scale_.data(),
                                   w13_input_scale_max_};
     const reference::MoeResult r = reference::moe_forward(p, T, static_cast<const uint16_t*>(a.hidden), router, w);
-    std::memcpy(a.output, r.output.data(), r.output.size() * sizeof(uint16_t));
+    if (a.output_dtype == OutputDType::F32) std::memcpy(a.output, r.output_f32.data(), r.output_f32.size() * sizeof(float));
+    else std::memcpy(a.output, r.output.data(), r.output.size() * sizeof(uint16_t));
     if (!routed) {
       std::memcpy(a.topk_ids, r.topk_ids.data(), r.topk_ids.size() * sizeof(int32_t));
       std::memcpy(a.topk_weights, r.topk_weights.data(), r.topk_weights.size() * sizeof(float));
@@ -284,14 +285,16 @@ class Layer {
     check(routed != logits.has_value(), "Layer.forward: ",
           routed ? "routing method precomputed takes topk_ids and topk_weights, not router_logits"
                  : "router_logits is required (routing method " + std::string(to_string(p.routing.method)) + ")");
-    c.router_logits = logits ? t(*logits, "router_logits", Elem::Logits, {T, E}, "[T, E]") : nullptr;
+    c.router_logits = logits ? t(*logits, "router_logits", Elem::F32OrBF16, {T, E}, "[T, E]") : nullptr;
     c.logits_dtype = logits && !matches(logits->dtype(), Elem::F32) ? LogitsDType::BF16 : LogitsDType::F32;
     check(!bias || p.routing.method == RoutingMethod::DeepSeekV3,
           "Layer.forward: routing_bias is only used by deepseek_v3 routing, got method ", to_string(p.routing.method));
     c.routing_bias = bias ? static_cast<const float*>(t(*bias, "routing_bias", Elem::F32, {E}, "[E]")) : nullptr;
     c.topk_ids = static_cast<int32_t*>(t(topk_ids, "topk_ids", Elem::I32, {T, k}, "[T, k]"));
     c.topk_weights = static_cast<float*>(t(topk_weights, "topk_weights", Elem::F32, {T, k}, "[T, k]"));
-    c.output = t(output, "output", Elem::BF16, {T, H}, "[T, H]");
+    // float32: the fp32 sums before the rounding (partial outputs that the caller adds first)
+    c.output = t(output, "output", Elem::F32OrBF16, {T, H}, "[T, H]");
+    c.output_dtype = matches(output.dtype(), Elem::F32) ? OutputDType::F32 : OutputDType::BF16;
     if (impl_->on_cuda()) {
       check(workspace.has_value(), "Layer.forward: workspace is required on cuda (workspace_size() = ",
             impl_->workspace_size(), " bytes)");
@@ -335,7 +338,7 @@ class Router {
     const TensorCheck t{"Router.route", gpu_ != nullptr, device_};
     check(logits.ndim() == 2, "Router.route: router_logits: expected shape [T, E], got ", shape_of(logits));
     const int64_t T = int64_t(logits.shape(0)), E = num_experts_, k = params_.top_k;
-    const void* s = t(logits, "router_logits", Elem::Logits, {T, E}, "[T, E]");
+    const void* s = t(logits, "router_logits", Elem::F32OrBF16, {T, E}, "[T, E]");
     const bool logits_bf16 = !matches(logits.dtype(), Elem::F32);
     check(!bias || params_.method == RoutingMethod::DeepSeekV3,
           "Router.route: routing_bias is only used by deepseek_v3 routing, got method ", to_string(params_.method));

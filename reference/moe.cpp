@@ -407,7 +407,9 @@ MoeResult moe_forward(const MoeProblem& problem, int64_t num_tokens, const uint1
 
   // ---- 7. finalize ----
   result.output.resize(static_cast<size_t>(T * H));
+  result.output_f32.resize(static_cast<size_t>(T * H));
   finalize(s, perm, result.topk_weights, on_input, y, [&](int64_t i, float v) {
+    result.output_f32[i] = v;
     result.output[i] = format::bf16_from_float(v);
   });
 

@@ -356,8 +356,11 @@ Status GpuMoeRunner::run(cudaStream_t stream, const ForwardArgs& a, bool routed,
   // Caller-given ids keep the separate finalize, which turns an out-of-range id (a token with
   // fewer than k GEMM rows) into a NaN row.
   const int64_t finalize_in_gemm2_entries = p.hidden <= 4096 ? 128 : 64;
-  const bool finalize_in_gemm2 =
-      k > 1 && !routed && tactic.kernel == GemmKernel::Sm90Stream && entries <= finalize_in_gemm2_entries;
+  // NOTE: fp32 outputs (partials of tensor / expert parallelism) take the separate finalize, whose
+  // store has both forms; the fused finalizes store bf16 only.
+  const bool f32_output = a.output_dtype == OutputDType::F32;
+  const bool finalize_in_gemm2 = k > 1 && !routed && !f32_output && tactic.kernel == GemmKernel::Sm90Stream &&
+                                 entries <= finalize_in_gemm2_entries;
   if (finalize_in_gemm2) {
     pa.zero_words[0] = region<int32_t>(ws, plan.finalize_counters);
     pa.zero_count[0] = kernels::gemm2_finalize_counter_count(T, p.hidden);
@@ -488,7 +491,7 @@ Status GpuMoeRunner::run(cudaStream_t stream, const ForwardArgs& a, bool routed,
   // NOTE: with top-1 routing the finalize is one multiply per element: GEMM2 writes the output itself
   // (saves writing and re-reading y). Precomputed ids keep the separate finalize, which turns an
   // out-of-range id (a token without a GEMM row) into a NaN row.
-  const bool fuse_finalize = k == 1 && !routed;
+  const bool fuse_finalize = k == 1 && !routed && !f32_output;
   if (fuse_finalize || finalize_in_gemm2) {
     g2.out = static_cast<__nv_bfloat16*>(a.output);
     g2.out_weights = p.routing.apply_router_weight_on_input ? nullptr : weights;
@@ -516,7 +519,8 @@ Status GpuMoeRunner::run(cudaStream_t stream, const ForwardArgs& a, bool routed,
     f.num_experts = E;
     f.skip_foreign_ids = p.routing.skip_foreign_ids;
   }
-  f.out = static_cast<__nv_bfloat16*>(a.output);
+  if (f32_output) f.out_f32 = static_cast<float*>(a.output);
+  else f.out = static_cast<__nv_bfloat16*>(a.output);
   FP4MOE_LAUNCH(6, "finalize", kernels::launch_finalize(f, stream));
   return Status::success();
 }

@@ -57,6 +57,7 @@ struct MoeResult {
   std::vector<uint16_t> output;       // [T, H] bf16 bits
   std::vector<int32_t> topk_ids;      // [T, k]
   std::vector<float> topk_weights;    // [T, k]
+  std::vector<float> output_f32;      // [T, H] the fp32 sums that output rounds (moe_forward fills it)
 };
 
 // Intermediates, for stage-by-stage GPU tests. Indexed by the (token, slot) pair t*k + j.

@@ -33,6 +33,10 @@ struct CUevent_st;
 namespace fp4moe {
 
 enum class LogitsDType { F32, BF16 };
+// The layer output: bf16 (the contract's one rounding), or the fp32 sums before it, for callers that
+// add partial outputs first (tensor / expert parallelism: an fp32 all-reduce, then one rounding, keeps
+// the sum of the ranks equal to the whole layer's up to fp32 summation order; docs/numerics.md).
+enum class OutputDType { BF16, F32 };
 
 // Device pointers, row-major. Outputs are fully written by forward.
 struct ForwardArgs {
@@ -43,7 +47,8 @@ struct ForwardArgs {
   const float* routing_bias = nullptr;    // [E] f32 or nullptr (DeepSeekV3)
   int32_t* topk_ids = nullptr;            // [T, k] out of forward, in for forward_routed
   float* topk_weights = nullptr;          // [T, k] out of forward, in for forward_routed
-  void* output = nullptr;                 // [T, H] bf16
+  void* output = nullptr;                 // [T, H] bf16, or fp32 with output_dtype F32
+  OutputDType output_dtype = OutputDType::BF16;
   void* workspace = nullptr;              // workspace_size(max_tokens) bytes, 256-byte aligned
   size_t workspace_bytes = 0;
 };

@@ -169,13 +169,17 @@ class MoeLayer:
         self._impl.use_tune_cache(str(path))
 
     def __call__(self, hidden_states, router_logits=None, *, routing_bias=None, topk_ids=None, topk_weights=None,
-                 stream=None):
+                 stream=None, output_dtype="bfloat16"):
         """Runs the layer; returns (output [T, H] bf16, topk_ids [T, k] int32, topk_weights [T, k] float32),
         allocated in hidden_states' framework. With routing method "precomputed", pass topk_ids and
-        topk_weights instead of router_logits (they are returned as given)."""
+        topk_weights instead of router_logits (they are returned as given). output_dtype="float32" gives
+        the fp32 sums before the bf16 rounding: partial outputs (tensor / expert parallelism) that are
+        added in fp32 and rounded once equal the whole layer's up to fp32 summation order."""
+        if output_dtype not in ("bfloat16", "float32"):
+            raise Error(f"MoeLayer: output_dtype must be 'bfloat16' or 'float32', got {output_dtype!r}")
         problem = self.problem
         T = hidden_states.shape[0]
-        output = _empty(hidden_states, (T, problem.hidden), "bf16")
+        output = _empty(hidden_states, (T, problem.hidden), "bf16" if output_dtype == "bfloat16" else "float32")
         if problem.routing_method != "precomputed":
             if topk_ids is not None or topk_weights is not None:
                 raise Error(f"MoeLayer: topk_ids / topk_weights are outputs with routing method "
@@ -191,7 +195,8 @@ class MoeLayer:
     def forward_into(self, hidden_states, router_logits=None, *, routing_bias=None, topk_ids, topk_weights, output,
                      stream=None):
         """Runs the layer into caller tensors (no allocation). topk_ids / topk_weights are written, or
-        read with routing method precomputed."""
+        read with routing method precomputed. output is bf16 [T, H], or float32 [T, H] for the fp32
+        sums before the rounding (see __call__'s output_dtype)."""
         if self._on_cuda and self._workspace is None:
             raise Error("MoeLayer.forward_into: a cuda layer's workspace is allocated with torch or CuPy and neither "
                         "is installed (JAX programs call the layer through fp4moe.jax_ops, which XLA allocates for)")

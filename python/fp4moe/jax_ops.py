@@ -45,33 +45,38 @@ def _spec(x):
     return str(x.dtype), [int(d) for d in x.shape]
 
 
-def _results(impl, T, *routing):
+def _results(impl, T, output_dtype, *routing):
     """The call's results: output, the routing's (moe_forward), and the workspace that XLA allocates."""
-    return (jax.ShapeDtypeStruct((T, impl.problem.hidden), jnp.bfloat16),
+    if jnp.dtype(output_dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
+        raise Error(f"fp4moe.jax_ops: output_dtype must be bfloat16 or float32, got {jnp.dtype(output_dtype)}")
+    return (jax.ShapeDtypeStruct((T, impl.problem.hidden), output_dtype),
             *routing,
             jax.ShapeDtypeStruct((_fp4moe._jax_workspace_bytes(impl),), jnp.uint8))
 
 
-def moe_forward(layer, hidden_states, router_logits, routing_bias=None):
+def moe_forward(layer, hidden_states, router_logits, routing_bias=None, output_dtype=jnp.bfloat16):
     """The layer on hidden_states (bf16 [T, H]) routed by router_logits (float32 or bfloat16 [T, E]);
     routing_bias (float32 [E]) with deepseek_v3 routing. Returns (output bf16 [T, H], topk_ids int32
-    [T, k], topk_weights float32 [T, k])."""
+    [T, k], topk_weights float32 [T, k]); output_dtype=jnp.float32 gives the fp32 sums before the
+    rounding (partial outputs of tensor / expert parallelism, to add in fp32 and round once)."""
     impl = _impl(layer)
     if routing_bias is None:
         routing_bias = jnp.zeros((0,), jnp.float32)  # none: the handler sees an empty buffer
     T = _fp4moe._jax_check_args(impl, False, _spec(hidden_states), _spec(router_logits), _spec(routing_bias))
     k = impl.problem.top_k
-    results = _results(impl, T, jax.ShapeDtypeStruct((T, k), jnp.int32), jax.ShapeDtypeStruct((T, k), jnp.float32))
+    results = _results(impl, T, output_dtype, jax.ShapeDtypeStruct((T, k), jnp.int32),
+                       jax.ShapeDtypeStruct((T, k), jnp.float32))
     output, topk_ids, topk_weights, _ = jax.ffi.ffi_call("fp4moe_moe_forward", results)(
         hidden_states, router_logits, routing_bias, layer=np.int64(impl.id))
     return output, topk_ids, topk_weights
 
 
-def moe_forward_routed(layer, hidden_states, topk_ids, topk_weights):
+def moe_forward_routed(layer, hidden_states, topk_ids, topk_weights, output_dtype=jnp.bfloat16):
     """The layer (routing method precomputed) on hidden_states (bf16 [T, H]) with the caller's topk_ids
-    (int32 [T, k]) and topk_weights (float32 [T, k]). Returns the output, bf16 [T, H]."""
+    (int32 [T, k]) and topk_weights (float32 [T, k]). Returns the output, bf16 [T, H] (or float32:
+    see moe_forward)."""
     impl = _impl(layer)
     T = _fp4moe._jax_check_args(impl, True, _spec(hidden_states), _spec(topk_ids), _spec(topk_weights))
-    output, _ = jax.ffi.ffi_call("fp4moe_moe_forward_routed", _results(impl, T))(
+    output, _ = jax.ffi.ffi_call("fp4moe_moe_forward_routed", _results(impl, T, output_dtype))(
         hidden_states, topk_ids, topk_weights, layer=np.int64(impl.id))
     return output

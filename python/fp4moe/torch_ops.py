@@ -7,8 +7,10 @@
 
 The ops name their layer by an integer handle (a registry of live layers), so the graph that
 torch.compile traces holds only tensors and ints:
-    torch.ops.fp4moe.moe_forward(handle, hidden_states, router_logits, routing_bias) -> (output, topk_ids, topk_weights)
-    torch.ops.fp4moe.moe_forward_routed(handle, hidden_states, topk_ids, topk_weights) -> output
+    torch.ops.fp4moe.moe_forward(handle, hidden_states, router_logits, routing_bias, fp32_output=False)
+        -> (output, topk_ids, topk_weights)
+    torch.ops.fp4moe.moe_forward_routed(handle, hidden_states, topk_ids, topk_weights, fp32_output=False) -> output
+fp32_output gives the fp32 sums before the bf16 rounding (partial outputs to add before rounding).
 Both allocate their outputs with torch (the caching allocator; a captured graph's pool while
 capturing) and launch on the current stream without synchronising.
 """
@@ -41,29 +43,36 @@ def _layer(handle: int):
 
 @torch.library.custom_op("fp4moe::moe_forward", mutates_args=())
 def moe_forward(layer: int, hidden_states: torch.Tensor, router_logits: torch.Tensor,
-                routing_bias: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _layer(layer)(hidden_states, router_logits, routing_bias=routing_bias)
+                routing_bias: Optional[torch.Tensor] = None,
+                fp32_output: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _layer(layer)(hidden_states, router_logits, routing_bias=routing_bias, output_dtype=_output_dtype(fp32_output))
+
+
+def _output_dtype(fp32_output):
+    return "float32" if fp32_output else "bfloat16"
 
 
 @moe_forward.register_fake
-def _(layer, hidden_states, router_logits, routing_bias=None):
+def _(layer, hidden_states, router_logits, routing_bias=None, fp32_output=False):
     problem = _layer(layer).problem
     tokens = hidden_states.shape[0]
-    return (hidden_states.new_empty((tokens, problem.hidden), dtype=torch.bfloat16),
+    return (hidden_states.new_empty((tokens, problem.hidden), dtype=torch.float32 if fp32_output else torch.bfloat16),
             hidden_states.new_empty((tokens, problem.top_k), dtype=torch.int32),
             hidden_states.new_empty((tokens, problem.top_k), dtype=torch.float32))
 
 
 @torch.library.custom_op("fp4moe::moe_forward_routed", mutates_args=())
 def moe_forward_routed(layer: int, hidden_states: torch.Tensor, topk_ids: torch.Tensor,
-                       topk_weights: torch.Tensor) -> torch.Tensor:
-    output, _, _ = _layer(layer)(hidden_states, topk_ids=topk_ids, topk_weights=topk_weights)
+                       topk_weights: torch.Tensor, fp32_output: bool = False) -> torch.Tensor:
+    output, _, _ = _layer(layer)(hidden_states, topk_ids=topk_ids, topk_weights=topk_weights,
+                                 output_dtype=_output_dtype(fp32_output))
     return output
 
 
 @moe_forward_routed.register_fake
-def _(layer, hidden_states, topk_ids, topk_weights):
-    return hidden_states.new_empty((hidden_states.shape[0], _layer(layer).problem.hidden), dtype=torch.bfloat16)
+def _(layer, hidden_states, topk_ids, topk_weights, fp32_output=False):
+    return hidden_states.new_empty((hidden_states.shape[0], _layer(layer).problem.hidden),
+                                   dtype=torch.float32 if fp32_output else torch.bfloat16)
 
 
 @torch.library.custom_op("fp4moe::route", mutates_args=())
@@ -84,7 +93,10 @@ class FusedMoE(torch.nn.Module):
 
     Tensor parallelism: give each rank its shard (fp4moe.tensor_parallel_shard, or
     fp4moe.load_checkpoint_layer(..., tp_rank=, tp_size=)) and the ranks' `process_group`: the output
-    is then all-reduced (sum) over it with torch.distributed, in bf16.
+    is then all-reduced (sum) over it with torch.distributed. With `reduce_dtype=torch.float32` (the
+    default) each rank's partial is its fp32 sums and the bf16 rounding comes once, after the
+    all-reduce: the whole layer's output up to fp32 summation order; torch.bfloat16 halves the bytes
+    of the all-reduce at one extra rounding per rank.
 
     Expert parallelism: give each rank its experts' weights (load_checkpoint_layer(..., ep_rank=,
     ep_size=), with the whole layer's "w13_input_scale_max"), its problem
@@ -95,9 +107,14 @@ class FusedMoE(torch.nn.Module):
     nothing) and, with `process_group`, all-reduces."""
 
     def __init__(self, problem, weights, *, device="cuda", max_tokens=8192, scales_swizzled=False,
-                 w13_up_gate=False, process_group=None, expert_range=None, router_problem=None):
+                 w13_up_gate=False, process_group=None, expert_range=None, router_problem=None,
+                 reduce_dtype=torch.float32):
         super().__init__()
+        if reduce_dtype not in (torch.float32, torch.bfloat16):
+            raise Error(f"FusedMoE: reduce_dtype must be torch.float32 or torch.bfloat16, got {reduce_dtype}")
         self.process_group = process_group
+        # NOTE: a plain bool for forward (torch.compile), true only where partial outputs are added.
+        self.fp32_partials = process_group is not None and reduce_dtype == torch.float32
         if expert_range is not None:
             begin, end = (int(v) for v in expert_range)
             if not (problem.skip_foreign_ids and end - begin == problem.num_experts):
@@ -132,12 +149,16 @@ class FusedMoE(torch.nn.Module):
                 begin, end = self.expert_range
                 foreign = (topk_ids < begin) | (topk_ids >= end)
                 local_ids = torch.where(foreign, torch.full_like(topk_ids, -1), topk_ids - begin).to(torch.int32)
-            output = torch.ops.fp4moe.moe_forward_routed(self.handle, hidden_states, local_ids, topk_weights)
+            output = torch.ops.fp4moe.moe_forward_routed(self.handle, hidden_states, local_ids, topk_weights,
+                                                         self.fp32_partials)
             ids, weights = topk_ids, topk_weights
         else:
-            output, ids, weights = torch.ops.fp4moe.moe_forward(self.handle, hidden_states, router_logits, routing_bias)
+            output, ids, weights = torch.ops.fp4moe.moe_forward(self.handle, hidden_states, router_logits, routing_bias,
+                                                                self.fp32_partials)
         if self.process_group is not None:
             torch.distributed.all_reduce(output, group=self.process_group)
+            if self.fp32_partials:
+                output = output.to(torch.bfloat16)  # the one rounding, after the ranks' fp32 sum
         return (output, ids, weights) if return_routing else output
 
     def extra_repr(self):

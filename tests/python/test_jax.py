@@ -83,6 +83,21 @@ def test_jit_routed_cpu_layer_matches_its_numpy_forward():
     assert np.array_equal(bits(out), want)
 
 
+def test_float32_output_is_the_sums_that_bf16_rounds():
+    problem = PROBLEMS["deepseek_v3-groups"]
+    case = fp4moe.random_case(problem, 6, seed=31)
+    layer = fp4moe.MoeLayer(problem, case["weights"], device="cpu", max_tokens=8)
+    x, logits, bias = inputs(case, CPU)
+    forward = jax.jit(lambda *a: jax_ops.moe_forward(layer, *a, output_dtype=jnp.float32))
+    out32, _, _ = forward(x, logits, bias)
+    assert out32.dtype == jnp.float32
+    want, _, _ = layer(case["hidden_states"], case["router_logits"], routing_bias=case["routing_bias"],
+                       output_dtype="float32")
+    np.testing.assert_array_equal(np.asarray(out32), want)
+    with pytest.raises(fp4moe.Error, match="output_dtype must be bfloat16 or float32, got float16"):
+        jax_ops.moe_forward(layer, x, logits, bias, output_dtype=jnp.float16)
+
+
 def test_errors_at_trace_time_name_the_argument():
     problem = PROBLEMS["deepseek_v3-groups"]
     case = fp4moe.random_case(problem, 3, seed=5)

@@ -248,6 +248,39 @@ def test_tensor_parallel_shards_sum_to_the_layer(act_quant, size):
         fp4moe.tensor_parallel_shard(problem, w, 0, 9)
 
 
+def bf16_bits(x):
+    """float32 values -> bf16 bits, round to nearest even (finite values)."""
+    u = np.asarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+@pytest.mark.parametrize("act_quant", ["w4a16", "w4a4_scalar"])
+def test_float32_outputs_are_the_sums_that_bf16_rounds_and_add_up_across_ranks(act_quant):
+    problem = fp4moe.preset("tiny", act_quant=act_quant)
+    case = fp4moe.random_case(problem, 13, seed=23)
+    w = case["weights"]
+    layer = fp4moe.MoeLayer(problem, w, device="cpu", max_tokens=16)
+    out16, ids, _ = layer(case["hidden_states"], case["router_logits"])
+    out32, ids32, _ = layer(case["hidden_states"], case["router_logits"], output_dtype="float32")
+    assert out32.dtype == np.float32 and out32.shape == out16.shape
+    np.testing.assert_array_equal(ids32, ids)
+    np.testing.assert_array_equal(bf16_bits(out32), out16)
+    # Tensor-parallel ranks' fp32 partials, added in fp32 and rounded once: the layer's output up to fp32
+    # summation order, so at most one bf16 ulp apart, on few elements.
+    total = np.zeros(out32.shape, dtype=np.float32)
+    for rank in range(2):
+        shard = fp4moe.tensor_parallel_shard(problem, w, rank, 2)
+        part, _, _ = fp4moe.MoeLayer(shard["problem"], shard["weights"], device="cpu", max_tokens=16)(
+            case["hidden_states"], case["router_logits"], output_dtype="float32")
+        total += part
+    got, want = bf16_bits_to_float(bf16_bits(total)), bf16_bits_to_float(out16)
+    moved = got != want
+    assert moved.sum() <= out16.size // 100
+    assert (np.abs(got - want)[moved] <= np.ldexp(1.0, np.frexp(want[moved])[1] - 8)).all()
+    with pytest.raises(fp4moe.Error, match="output_dtype must be 'bfloat16' or 'float32', got 'float16'"):
+        layer(case["hidden_states"], case["router_logits"], output_dtype="float16")
+
+
 def test_load_checkpoint_layer_tensor_parallel(tmp_path):
     fp4moe._fp4moe._write_checkpoint_fixture(str(tmp_path), "qwen3_moe", "modelopt")
     full = fp4moe.load_checkpoint_layer(tmp_path, 1)

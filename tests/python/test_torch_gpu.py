@@ -63,6 +63,15 @@ def test_cuda_layer_matches_cpu_layer(name, tokens):
     # The allocating call gives the same bits (deterministic: no atomics).
     out2, ids2, _ = gpu(inputs["hidden_states"], inputs["router_logits"], routing_bias=bias)
     assert torch.equal(out2, out) and torch.equal(ids2, ids)
+    # fp32 outputs (poisoned first): the sums that the bf16 output rounds, bit for bit, and close to the
+    # cpu layer's fp32 sums.
+    out32 = torch.full((tokens, problem.hidden), float("nan"), dtype=torch.float32, device=DEVICE)
+    gpu.forward_into(inputs["hidden_states"], inputs["router_logits"], routing_bias=bias, topk_ids=ids,
+                     topk_weights=weights, output=out32)
+    assert torch.equal(out32.to(torch.bfloat16), out), name
+    ref32, _, _ = cpu(case["hidden_states"], case["router_logits"], routing_bias=case.get("routing_bias"),
+                      output_dtype="float32")
+    expect_close(out32, ref32, f"{name} T={tokens} float32")
 
 
 def test_bf16_logits_and_precomputed_routing():

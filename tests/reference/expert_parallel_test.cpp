@@ -1,7 +1,8 @@
 // tests/reference/expert_parallel_test.cpp — expert parallelism in the reference: a rank runs its range
 // of experts on the whole layer's routing mapped to local ids (precomputed, skip_foreign_ids): its
 // entries' GEMM2 outputs are the whole layer's bit for bit, other ranks' entries add nothing, and the
-// ranks' outputs sum to the whole layer's output up to the bf16 rounding of each partial.
+// ranks' outputs sum to the whole layer's output up to the bf16 rounding of each partial (bf16
+// partials) or up to fp32 summation order (fp32 partials, MoeResult::output_f32).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -28,6 +29,7 @@ TEST_P(ExpertParallel, RanksSumToTheWholeLayer) {
   reference::MoeTrace whole;
   const reference::MoeResult full = reference::moe_forward(p, T, c.hidden_states.data(), c.router(), c.weights(), &whole);
   std::vector<double> sum(T * H, 0.0);
+  std::vector<float> f32_sum(T * H, 0.0f);  // fp32, in rank order: what an fp32 all-reduce adds
   std::vector<int> owners(T * k, 0);
   for (int rank = 0; rank < 3; ++rank) {
     const auto [begin, end] = io::expert_range(E, rank, 3);
@@ -45,7 +47,10 @@ TEST_P(ExpertParallel, RanksSumToTheWholeLayer) {
         ASSERT_EQ(trace.gemm2_out[entry * H + h], mine ? whole.gemm2_out[entry * H + h] : 0.0f)
             << "rank " << rank << " entry " << entry << " column " << h;
     }
-    for (size_t i = 0; i < sum.size(); ++i) sum[i] += format::bf16_to_float(out.output[i]);
+    for (size_t i = 0; i < sum.size(); ++i) {
+      sum[i] += format::bf16_to_float(out.output[i]);
+      f32_sum[i] += out.output_f32[i];
+    }
   }
   for (int n : owners) ASSERT_EQ(n, 1);  // every entry belongs to exactly one rank
   double num = 0, den = 0;
@@ -55,6 +60,24 @@ TEST_P(ExpertParallel, RanksSumToTheWholeLayer) {
     den += want * want;
   }
   EXPECT_LT(std::sqrt(num / den), 5e-3);
+  // fp32 partial outputs added in fp32 and rounded once: the whole layer's output up to the order of
+  // the fp32 additions of the k slots, so its bf16 rounding moves by one ulp on rare elements only.
+  int64_t moved = 0;
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t h = 0; h < H; ++h) {
+      double bound = 0;
+      for (int64_t j = 0; j < k; ++j)
+        bound += std::fabs(full.topk_weights[t * k + j] * whole.gemm2_out[(t * k + j) * H + h]);
+      const size_t i = static_cast<size_t>(t * H + h);
+      ASSERT_NEAR(f32_sum[i], full.output_f32[i], 1e-6 * bound + 1e-30) << "output element " << i;
+      const float got = format::bf16_to_float(format::bf16_from_float(f32_sum[i]));
+      const float want = format::bf16_to_float(full.output[i]);
+      if (got != want) {
+        ++moved;
+        ASSERT_LE(std::fabs(got - want), std::ldexp(1.0f, std::ilogb(want) - 7)) << "output element " << i;
+      }
+    }
+  EXPECT_LE(moved, T * H / 100);
 }
 
 INSTANTIATE_TEST_SUITE_P(Modes, ExpertParallel,

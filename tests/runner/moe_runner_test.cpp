@@ -28,6 +28,7 @@
 #include "fp4moe/reference.hpp"
 #include "fp4moe/runner.hpp"
 #include "layout_fixtures.hpp"
+#include "runner/device_buffer.hpp"
 #include "runner/layer_buffers.hpp"
 
 namespace fp4moe {
@@ -356,6 +357,70 @@ TEST(LayerExpertParallel, RanksMatchTheReferenceRank) {
       expect_output_matches(out, ref.output, T, p.hidden,
                             std::string(to_string(mode)) + " rank " + std::to_string(rank));
     }
+  }
+}
+
+// fp32 outputs (ForwardArgs::output_dtype F32, the partials of tensor / expert parallelism): the sums
+// that the bf16 output rounds, bit for bit, whichever finalize the bf16 forward fused (the streaming
+// GEMM2's, top-1's in GEMM2, or the separate one, which the fp32 forward always takes); close to the
+// reference's fp32 sums; every element written (poisoned first).
+TEST(LayerOutputF32, TheSumsThatTheBf16OutputRounds) {
+  SKIP_WITHOUT_GPU();
+  struct Case {
+    MoeProblem p;
+    int64_t T;
+    bool routed;
+  };
+  MoeProblem top1 = preset("tiny", ActQuant::W4A4Scalar);
+  top1.routing.method = RoutingMethod::Llama4;
+  top1.routing.top_k = 1;
+  top1.routing.apply_router_weight_on_input = true;
+  MoeProblem routed = preset("tiny", ActQuant::W4A16);
+  routed.routing.method = RoutingMethod::Precomputed;
+  for (const Case& tc : {Case{preset("tiny", ActQuant::W4A16), 9, false},        // streaming tactic: finalize in GEMM2
+                         Case{preset("tiny", ActQuant::W4A4PerExpert), 300, false},  // the separate finalize
+                         Case{top1, 40, false},                                    // top-1: finalize in GEMM2
+                         Case{routed, 33, true}}) {
+    const std::string label = tc.p.describe() + " T=" + std::to_string(tc.T);
+    const io::MoeCase c = random_case(tc.p, tc.T, 500 + tc.T);
+    const reference::MoeResult ref =
+        reference::moe_forward(tc.p, tc.T, c.hidden_states.data(), c.router(), c.weights());
+    auto runner = MoeRunner::create(tc.p, tc.T);
+    ASSERT_TRUE(runner->prepare_weights(c.weights()).ok()) << label;
+    const test::LayerBuffers buf(tc.p, tc.T, *runner);
+    ASSERT_EQ(buf.upload(c), cudaSuccess);
+    if (tc.routed) {
+      ASSERT_EQ(cudaMemcpy(buf.ids.ptr, c.topk_ids.data(), c.topk_ids.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
+      ASSERT_EQ(cudaMemcpy(buf.weights.ptr, c.topk_weights.data(), c.topk_weights.size() * 4, cudaMemcpyHostToDevice),
+                cudaSuccess);
+    }
+    auto forward = [&](const ForwardArgs& a) { return tc.routed ? runner->forward_routed(nullptr, a) : runner->forward(nullptr, a); };
+    ASSERT_EQ(buf.poison_output(), cudaSuccess);
+    ForwardArgs a = buf.args;
+    if (tc.routed) a.router_logits = nullptr;
+    Status s = forward(a);
+    ASSERT_TRUE(s.ok()) << label << ": " << s.message;
+    cudaError_t copied;
+    const std::vector<uint16_t> bf16_out = buf.output(&copied);
+    ASSERT_EQ(copied, cudaSuccess);
+
+    const size_t n = static_cast<size_t>(tc.T * tc.p.hidden);
+    DeviceBuffer out_f32(n * sizeof(float), "fp32 output");
+    ASSERT_EQ(cudaMemset(out_f32.ptr, 0xFF, n * sizeof(float)), cudaSuccess);  // NaN
+    a.output = out_f32.ptr;
+    a.output_dtype = OutputDType::F32;
+    s = forward(a);
+    ASSERT_TRUE(s.ok()) << label << ": " << s.message;
+    std::vector<float> f32(n);
+    ASSERT_EQ(cudaMemcpy(f32.data(), out_f32.ptr, n * sizeof(float), cudaMemcpyDeviceToHost), cudaSuccess);
+    double num = 0, den = 0;
+    for (size_t i = 0; i < n; ++i) {
+      ASSERT_FALSE(std::isnan(f32[i])) << label << " element " << i << " not written";
+      ASSERT_EQ(format::bf16_from_float(f32[i]), bf16_out[i]) << label << " element " << i;
+      num += (double(f32[i]) - ref.output_f32[i]) * (double(f32[i]) - ref.output_f32[i]);
+      den += double(ref.output_f32[i]) * ref.output_f32[i];
+    }
+    EXPECT_LT(std::sqrt(num / den), 5e-3) << label;
   }
 }
 
