@@ -19,6 +19,7 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <initializer_list>
 #include <string>
@@ -66,21 +67,19 @@ std::string dims_text(ffi::Span<const int64_t> dims) {
   return s + "]";
 }
 
-// Throws unless `b` has one of `dtypes` and exactly `shape`.
+// Throws unless `b` has one of `dtypes` and exactly `shape`. NOTE: the messages are built only on a
+// failure: a handler call allocates nothing on the host when its arguments are right.
 void expect(const BufferSpec& b, const char* name, std::initializer_list<ffi::DataType> dtypes,
             std::initializer_list<int64_t> shape, const char* symbolic) {
-  bool dtype_ok = false;
-  std::string want;
-  for (ffi::DataType d : dtypes) {
-    dtype_ok = dtype_ok || b.dtype == d;
-    want += (want.empty() ? "" : " or ") + std::string(dtype_name(d));
+  if (std::find(dtypes.begin(), dtypes.end(), b.dtype) == dtypes.end()) {
+    std::string want;
+    for (ffi::DataType d : dtypes) want += (want.empty() ? "" : " or ") + std::string(dtype_name(d));
+    throw Error(detail::concat(name, ": expected ", want, ", got ", dtype_name(b.dtype)));
   }
-  check(dtype_ok, name, ": expected ", want, ", got ", dtype_name(b.dtype));
-  bool shape_ok = b.dims.size() == shape.size();
-  size_t i = 0;
-  for (int64_t extent : shape) shape_ok = shape_ok && b.dims[i++] == extent;
-  check(shape_ok, name, ": expected shape ", symbolic, " = ",
-        dims_text(ffi::Span<const int64_t>(shape.begin(), shape.size())), ", got ", dims_text(b.dims));
+  if (!std::equal(b.dims.begin(), b.dims.end(), shape.begin(), shape.end()))
+    throw Error(detail::concat(name, ": expected shape ", symbolic, " = ",
+                               dims_text(ffi::Span<const int64_t>(shape.begin(), shape.size())), ", got ",
+                               dims_text(b.dims)));
 }
 
 // The registered layer `id`, checked to live where the call runs.
@@ -105,7 +104,7 @@ int64_t check_args(const PreparedLayer& layer, bool routed, const BufferSpec& hi
   check(!precomputed || routed, "routing method precomputed: call moe_forward_routed with topk_ids and topk_weights");
   check(precomputed || !routed, "routing method ", to_string(p.routing.method),
         " routes the layer's own logits: call moe_forward with router_logits");
-  check(hidden.dims.size() == 2, "hidden_states: expected shape [T, H], got ", dims_text(hidden.dims));
+  if (hidden.dims.size() != 2) throw Error("hidden_states: expected shape [T, H], got " + dims_text(hidden.dims));
   const int64_t T = hidden.dims[0], E = p.num_experts, k = p.top_k();
   check(T <= layer.max_tokens(), "hidden_states: T = ", T, " exceeds the layer's max_tokens = ", layer.max_tokens());
   expect(hidden, "hidden_states", {ffi::DataType::BF16}, {T, p.hidden}, "[T, H]");
