@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <initializer_list>
 #include <string>
+#include <utility>
 
 #include "fp4moe/error.hpp"
 #include "python/layer.hpp"
@@ -219,50 +220,30 @@ ffi::Error forward_routed_cpu(int64_t id, ffi::AnyBuffer hidden, ffi::AnyBuffer 
   return forward_routed(nullptr, false, 0, id, hidden, topk_ids, topk_weights, output, workspace);
 }
 
+// The bindings: [the CUDA stream and device ordinal,] the layer attribute, the three argument buffers,
+// and the results (output, [topk_ids, topk_weights,] workspace).
+auto cuda_context() { return ffi::Ffi::Bind().Ctx<ffi::PlatformStream<CUstream_st*>>().Ctx<ffi::DeviceOrdinal>(); }
+template <typename Binding>
+auto layer_and_args(Binding&& b) {
+  return std::forward<Binding>(b)
+      .template Attr<int64_t>("layer")
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>();
+}
+template <typename Binding>
+auto two_results(Binding&& b) {
+  return std::forward<Binding>(b).template Ret<ffi::AnyBuffer>().template Ret<ffi::AnyBuffer>();
+}
+
 // NOTE: the cuda handlers neither allocate nor synchronise, so XLA may record them into its command
 // buffers (CUDA graphs); the cpu reference allocates host vectors and is left out of them.
-XLA_FFI_DEFINE_HANDLER(kForwardCuda, forward_cuda,
-                       ffi::Ffi::Bind()
-                           .Ctx<ffi::PlatformStream<CUstream_st*>>()
-                           .Ctx<ffi::DeviceOrdinal>()
-                           .Attr<int64_t>("layer")
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Ret<ffi::AnyBuffer>()
-                           .Ret<ffi::AnyBuffer>()
-                           .Ret<ffi::AnyBuffer>()
-                           .Ret<ffi::AnyBuffer>(),
+XLA_FFI_DEFINE_HANDLER(kForwardCuda, forward_cuda, two_results(two_results(layer_and_args(cuda_context()))),
                        {ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER(kForwardCpu, forward_cpu,
-                       ffi::Ffi::Bind()
-                           .Attr<int64_t>("layer")
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Ret<ffi::AnyBuffer>()
-                           .Ret<ffi::AnyBuffer>()
-                           .Ret<ffi::AnyBuffer>()
-                           .Ret<ffi::AnyBuffer>());
-XLA_FFI_DEFINE_HANDLER(kForwardRoutedCuda, forward_routed_cuda,
-                       ffi::Ffi::Bind()
-                           .Ctx<ffi::PlatformStream<CUstream_st*>>()
-                           .Ctx<ffi::DeviceOrdinal>()
-                           .Attr<int64_t>("layer")
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Ret<ffi::AnyBuffer>()
-                           .Ret<ffi::AnyBuffer>(),
+XLA_FFI_DEFINE_HANDLER(kForwardCpu, forward_cpu, two_results(two_results(layer_and_args(ffi::Ffi::Bind()))));
+XLA_FFI_DEFINE_HANDLER(kForwardRoutedCuda, forward_routed_cuda, two_results(layer_and_args(cuda_context())),
                        {ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER(kForwardRoutedCpu, forward_routed_cpu,
-                       ffi::Ffi::Bind()
-                           .Attr<int64_t>("layer")
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Ret<ffi::AnyBuffer>()
-                           .Ret<ffi::AnyBuffer>());
+XLA_FFI_DEFINE_HANDLER(kForwardRoutedCpu, forward_routed_cpu, two_results(layer_and_args(ffi::Ffi::Bind())));
 
 nb::capsule handler(XLA_FFI_Handler* fn) { return nb::capsule(reinterpret_cast<void*>(fn)); }
 

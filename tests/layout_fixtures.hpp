@@ -1,9 +1,13 @@
 // tests/layout_fixtures.hpp — a case's weights in other forms: the other input layout that weight
 // preparation accepts (128x4-swizzled block scales, w13 rows [up; gate] as in FlashInfer), and one
-// expert-parallel rank's share (a contiguous range of experts, with the routing mapped to it).
+// expert-parallel rank's share (a contiguous range of experts, with the routing mapped to it), and the
+// check that ranks' fp32 partial outputs add up to the whole layer's.
 #pragma once
 
+#include <gtest/gtest.h>
+
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <type_traits>
 #include <vector>
@@ -85,5 +89,26 @@ struct ExpertRangeWeights {
             w2.data(),  w2_scale.data(),  w2_scale_2.data(),  w2_input_scale.data(), w13_input_scale_max};
   }
 };
+
+// The ranks' fp32 partial outputs added in fp32 (`sum`, [T, H]) against the whole layer: within
+// tolerance * bound[i] of its fp32 sums (bound: the magnitudes that were added, so the difference is
+// fp32 summation order only) and, rounded once to bf16, its output except where that order moves a
+// value across a rounding boundary: by one ulp, on at most 1% of the elements.
+inline void expect_partials_sum_to_the_layer(const std::vector<float>& sum, const reference::MoeResult& full,
+                                             const std::vector<double>& bound, double tolerance) {
+  ASSERT_EQ(sum.size(), full.output_f32.size());
+  ASSERT_EQ(bound.size(), sum.size());
+  size_t moved = 0;
+  for (size_t i = 0; i < sum.size(); ++i) {
+    ASSERT_NEAR(sum[i], full.output_f32[i], tolerance * bound[i] + 1e-30) << "output element " << i;
+    const float got = format::bf16_to_float(format::bf16_from_float(sum[i]));
+    const float want = format::bf16_to_float(full.output[i]);
+    if (got != want) {
+      ++moved;
+      ASSERT_LE(std::fabs(got - want), std::ldexp(1.0f, std::ilogb(want) - 7)) << "output element " << i;
+    }
+  }
+  EXPECT_LE(moved, sum.size() / 100);
+}
 
 }  // namespace fp4moe::test
