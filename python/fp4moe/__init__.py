@@ -133,8 +133,9 @@ class MoeLayer:
     Weights are read once (any DLPack framework, host or device; device tensors are copied to the
     host first) and converted to the kernels' layout; `scales_swizzled` says the block scales come in
     the 128x4-swizzled layout, `w13_up_gate` that w13's rows are [up; gate] (FlashInfer's order).
-    A forward takes at most `max_tokens` tokens. One forward at a time per layer: the forwards share
-    the layer's workspace, so layers used on several streams at once need one layer each.
+    A forward takes at most `max_tokens` tokens. The layer's own workspace serves one forward at a
+    time; forwards of the same weights on several streams at once (e.g. two overlapped micro-batches)
+    each pass their own workspace (`new_workspace()`) to `forward_into` / `__call__`.
     """
 
     def __init__(self, problem, weights, *, device="cuda", max_tokens=8192, scales_swizzled=False,
@@ -160,6 +161,19 @@ class MoeLayer:
     def __repr__(self):
         return f"fp4moe.MoeLayer({self.problem.describe()}, device={self.device}, max_tokens={self.max_tokens})"
 
+    def workspace_size(self):
+        """Bytes of device workspace one forward needs (0 on the cpu)."""
+        return self._impl.workspace_size()
+
+    def new_workspace(self):
+        """A workspace of its own for concurrent forwards (torch or CuPy, on the layer's GPU; None on the cpu)."""
+        if not self._on_cuda:
+            return None
+        workspace = _allocate_workspace(self._impl.workspace_size(), int(self.device.split(":")[1]))
+        if workspace is None:
+            raise Error("MoeLayer.new_workspace: a cuda workspace is allocated with torch or CuPy; neither is installed")
+        return workspace
+
     def tactic(self, num_tokens):
         """The expert-GEMM tactic a forward of num_tokens tokens uses (cuda layers)."""
         return self._impl.tactic(num_tokens)
@@ -169,12 +183,13 @@ class MoeLayer:
         self._impl.use_tune_cache(str(path))
 
     def __call__(self, hidden_states, router_logits=None, *, routing_bias=None, topk_ids=None, topk_weights=None,
-                 stream=None, output_dtype="bfloat16"):
+                 stream=None, output_dtype="bfloat16", workspace=None):
         """Runs the layer; returns (output [T, H] bf16, topk_ids [T, k] int32, topk_weights [T, k] float32),
         allocated in hidden_states' framework. With routing method "precomputed", pass topk_ids and
         topk_weights instead of router_logits (they are returned as given). output_dtype="float32" gives
         the fp32 sums before the bf16 rounding: partial outputs (tensor / expert parallelism) that are
-        added in fp32 and rounded once equal the whole layer's up to fp32 summation order."""
+        added in fp32 and rounded once equal the whole layer's up to fp32 summation order. workspace: see
+        forward_into."""
         if output_dtype not in ("bfloat16", "float32"):
             raise Error(f"MoeLayer: output_dtype must be 'bfloat16' or 'float32', got {output_dtype!r}")
         problem = self.problem
@@ -189,20 +204,25 @@ class MoeLayer:
         elif topk_ids is None or topk_weights is None:
             raise Error("MoeLayer: routing method precomputed needs topk_ids [T, k] int32 and topk_weights [T, k] float32")
         self.forward_into(hidden_states, router_logits, routing_bias=routing_bias, topk_ids=topk_ids,
-                          topk_weights=topk_weights, output=output, stream=stream)
+                          topk_weights=topk_weights, output=output, stream=stream, workspace=workspace)
         return output, topk_ids, topk_weights
 
     def forward_into(self, hidden_states, router_logits=None, *, routing_bias=None, topk_ids, topk_weights, output,
-                     stream=None):
+                     stream=None, workspace=None):
         """Runs the layer into caller tensors (no allocation). topk_ids / topk_weights are written, or
         read with routing method precomputed. output is bf16 [T, H], or float32 [T, H] for the fp32
-        sums before the rounding (see __call__'s output_dtype)."""
-        if self._on_cuda and self._workspace is None:
-            raise Error("MoeLayer.forward_into: a cuda layer's workspace is allocated with torch or CuPy and neither "
-                        "is installed (JAX programs call the layer through fp4moe.jax_ops, which XLA allocates for)")
+        sums before the rounding (see __call__'s output_dtype). workspace: a uint8 device tensor of at
+        least workspace_size() bytes (new_workspace()); default the layer's own, which serves one
+        forward at a time."""
+        if workspace is None:
+            workspace = self._workspace
+            if self._on_cuda and workspace is None:
+                raise Error("MoeLayer.forward_into: a cuda layer's workspace is allocated with torch or CuPy and "
+                            "neither is installed (pass workspace=, or call the layer from JAX through "
+                            "fp4moe.jax_ops, which XLA allocates for)")
         handle = _stream_handle(stream, hidden_states) if self._on_cuda else 0
-        self._impl.forward(hidden_states, router_logits, routing_bias, topk_ids, topk_weights, output,
-                           self._workspace, handle)
+        self._impl.forward(hidden_states, router_logits, routing_bias, topk_ids, topk_weights, output, workspace,
+                           handle)
 
 
 class Router:

@@ -248,6 +248,15 @@ def test_tensor_parallel_shards_sum_to_the_layer(act_quant, size):
         fp4moe.tensor_parallel_shard(problem, w, 0, 9)
 
 
+def test_cpu_layer_needs_no_workspace():
+    problem = fp4moe.preset("tiny")
+    case = fp4moe.random_case(problem, 3, seed=4)
+    layer = fp4moe.MoeLayer(problem, case["weights"], device="cpu", max_tokens=4)
+    assert layer.workspace_size() == 0 and layer.new_workspace() is None
+    out, _, _ = layer(case["hidden_states"], case["router_logits"], workspace=layer.new_workspace())
+    np.testing.assert_array_equal(out, layer(case["hidden_states"], case["router_logits"])[0])
+
+
 def bf16_bits(x):
     """float32 values -> bf16 bits, round to nearest even (finite values)."""
     u = np.asarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)

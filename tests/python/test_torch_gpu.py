@@ -88,6 +88,33 @@ def test_bf16_logits_and_precomputed_routing():
     assert torch.equal(out_routed, out_bf16)
 
 
+def test_concurrent_forwards_with_their_own_workspaces():
+    """One layer's weights on two streams at once (two overlapped micro-batches), a workspace each."""
+    problem = PROBLEMS["tiny-w4a4_scalar"]
+    layer = None
+    batches = []
+    for seed, tokens in ((8, 100), (9, 37)):
+        case = fp4moe.random_case(problem, tokens, seed=seed, framework="torch")
+        if layer is None:
+            layer = fp4moe.MoeLayer(problem, case["weights"], device=DEVICE, max_tokens=128)
+        inputs = to_device(case)
+        want, _, _ = layer(inputs["hidden_states"], inputs["router_logits"])
+        batches.append((inputs, want))
+    workspaces = [layer.new_workspace(), layer.new_workspace()]
+    assert all(w.numel() >= layer.workspace_size() for w in workspaces)
+    streams = [torch.cuda.Stream(device=DEVICE), torch.cuda.Stream(device=DEVICE)]
+    for s in streams:
+        s.wait_stream(torch.cuda.current_stream(DEVICE))
+    outputs = [None, None]
+    for _ in range(3):
+        for i, ((inputs, _), s, w) in enumerate(zip(batches, streams, workspaces)):
+            with torch.cuda.stream(s):
+                outputs[i], _, _ = layer(inputs["hidden_states"], inputs["router_logits"], workspace=w)
+    torch.cuda.synchronize()
+    for (_, want), got in zip(batches, outputs):
+        assert torch.equal(got, want)
+
+
 def test_torch_ops_opcheck_compile_and_graph():
     problem = PROBLEMS["deepseek_v3-groups"]
     case = fp4moe.random_case(problem, 64, seed=6, framework="torch")
