@@ -9,11 +9,12 @@
 //      a whole (no spaces, no trailing text); unknown metadata keys are ignored;
 //   3. sizes from shapes: T, H from hidden_states [T, H]; E from w13 [E, w13_rows, H/2]; I from
 //      w2 [E, H, I/2]; H and I must be multiples of 16; then MoeProblem::validate();
-//   4. every tensor against the sizes: w13, w13_scale, w2, w2_scale, the [E] scales, and the router
+//   4. every tensor against the sizes: w13, w13_scale, w2, w2_scale, the [E] scales, the optional
+//      expert biases (w13_bias F32|BF16 [E, w13_rows], w2_bias F32|BF16 [E, H]), and the router
 //      input (router_logits F32|BF16 [T, E] and optional routing_bias F32|BF16 [E], or topk_ids I32 and
 //      topk_weights F32 [T, k] with `precomputed`). Tensors with other names are ignored;
 //   5. values: global and input scales finite and > 0, e4m3 block scales not NaN (0x7F / 0xFF),
-//      precomputed ids in [0, E).
+//      expert biases finite, precomputed ids in [0, E).
 // save_case writes the same layout back (all metadata keys; floats in their shortest exact decimal
 // form so they read back bit-identical).
 #include "fp4moe/case_file.hpp"
@@ -223,6 +224,8 @@ reference::MoeWeights MoeCase::weights() const {
   w.w2_scale = ptr(w2_scale);
   w.w2_scale_2 = ptr(w2_scale_2);
   w.w2_input_scale = ptr(w2_input_scale);
+  w.w13_bias = ptr(w13_bias);
+  w.w2_bias = ptr(w2_bias);
   return w;
 }
 
@@ -322,6 +325,20 @@ MoeCase load_case(const std::string& path) {
   };
   input_scale("w13_input_scale", c.w13_input_scale);
   input_scale("w2_input_scale", c.w2_input_scale);
+  auto bias = [&](const char* name, std::vector<float>& dst, int64_t cols, const std::string& symbolic) {
+    if (const TensorView* b = rd.find(name)) {  // optional expert biases (gpt-oss)
+      rd.check_dtype2(name, *b, DType::F32, DType::BF16);
+      rd.check_shape(name, *b, {E, cols}, symbolic + " with " + sizes);
+      dst = b->dtype == DType::BF16 ? widen_bf16(*b) : copy_values<float>(*b);
+    }
+  };
+  bias("w13_bias", c.w13_bias, rows, p.gated() ? "[E, 2I]" : "[E, I]");
+  bias("w2_bias", c.w2_bias, H, "[E, H]");
+  try {
+    reference::check_biases(c.weights(), p);
+  } catch (const Error& e) {
+    rd.fail(e.what());
+  }
 
   std::ostringstream tk_os;
   tk_os << "[T, k] with T=" << T << ", k=" << k;
@@ -376,6 +393,8 @@ void save_case(const std::string& path, const MoeCase& c) {
   const bool w4a4 = p.act_quant != ActQuant::W4A16;
   if (w4a4 || !c.w13_input_scale.empty()) check_size(fn, "w13_input_scale", c.w13_input_scale.size(), E, "E");
   if (w4a4 || !c.w2_input_scale.empty()) check_size(fn, "w2_input_scale", c.w2_input_scale.size(), E, "E");
+  if (!c.w13_bias.empty()) check_size(fn, "w13_bias", c.w13_bias.size(), E * rows, "E*w13_rows");
+  if (!c.w2_bias.empty()) check_size(fn, "w2_bias", c.w2_bias.size(), E * H, "E*H");
   const bool precomputed = p.routing.method == RoutingMethod::Precomputed;
   if (precomputed) {
     check_size(fn, "topk_ids", c.topk_ids.size(), T * k, "T*k");
@@ -421,6 +440,8 @@ void save_case(const std::string& path, const MoeCase& c) {
   ts.push_back(make_tensor("w2_scale", DType::F8_E4M3, {E, H, I / 16}, c.w2_scale));
   ts.push_back(make_tensor("w2_scale_2", DType::F32, {E}, c.w2_scale_2));
   if (!c.w2_input_scale.empty()) ts.push_back(make_tensor("w2_input_scale", DType::F32, {E}, c.w2_input_scale));
+  if (!c.w13_bias.empty()) ts.push_back(make_tensor("w13_bias", DType::F32, {E, rows}, c.w13_bias));
+  if (!c.w2_bias.empty()) ts.push_back(make_tensor("w2_bias", DType::F32, {E, H}, c.w2_bias));
   write_safetensors(path, ts, meta);
 }
 
@@ -576,6 +597,15 @@ MoeCase make_random_case(const MoeProblem& problem, int64_t num_tokens, const Ra
     c.w2_input_scale[e] = a2 * static_cast<float>(0.8 + 0.4 * rng.uniform());
   }
   return c;
+}
+
+void add_random_expert_biases(MoeCase& c, uint64_t seed) {
+  const MoeProblem& p = c.problem;
+  Rng rng(seed * 0x9E3779B97F4A7C15ull + 17);
+  c.w13_bias.resize(static_cast<size_t>(p.num_experts * p.w13_rows()));
+  c.w2_bias.resize(static_cast<size_t>(p.num_experts * p.hidden));
+  for (auto& b : c.w13_bias) b = static_cast<float>(0.1 * rng.normal());
+  for (auto& b : c.w2_bias) b = static_cast<float>(0.02 * rng.normal());
 }
 
 }  // namespace fp4moe::io

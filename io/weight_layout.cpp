@@ -27,14 +27,17 @@ CanonicalExpertWeights canonical_expert_weights(const MoeProblem& p, const refer
     std::copy_n(w.w13_scale, c.w13_scale.size(), c.w13_scale.begin());
     std::copy_n(w.w2_scale, c.w2_scale.size(), c.w2_scale.begin());
   }
+  if (w.w13_bias != nullptr) c.w13_bias.assign(w.w13_bias, w.w13_bias + E * N13);
   if (options.w13_up_gate) {
     for (int64_t e = 0; e < E; ++e) {  // swap the two halves of each expert's rows
-      auto swap_halves = [&](std::vector<uint8_t>& v, int64_t row_bytes) {
-        auto first = v.begin() + e * N13 * row_bytes;
-        std::swap_ranges(first, first + I * row_bytes, first + I * row_bytes);
+      auto swap_halves = [&](auto& v, int64_t row_elems) {
+        if (v.empty()) return;
+        auto first = v.begin() + e * N13 * row_elems;
+        std::swap_ranges(first, first + I * row_elems, first + I * row_elems);
       };
       swap_halves(c.w13, H / 2);
       swap_halves(c.w13_scale, H / 16);
+      swap_halves(c.w13_bias, 1);
     }
   }
   return c;
@@ -75,6 +78,7 @@ TensorParallelShard tensor_parallel_shard(const MoeProblem& p, const reference::
   const int64_t halves = p.gated() ? 2 : 1, rows = halves * part;
   s.w13.resize(E * rows * (H / 2));
   s.w13_scale.resize(E * rows * (H / 16));
+  if (w.w13_bias != nullptr) s.w13_bias.resize(E * rows);
   s.w2.resize(E * H * (part / 2));
   s.w2_scale.resize(E * H * (part / 16));
   for (int64_t e = 0; e < E; ++e) {
@@ -82,6 +86,7 @@ TensorParallelShard tensor_parallel_shard(const MoeProblem& p, const reference::
       const int64_t from = e * N13 + half * I + begin, to = e * rows + half * part;
       std::copy_n(w.w13 + from * (H / 2), part * (H / 2), s.w13.begin() + to * (H / 2));
       std::copy_n(w.w13_scale + from * (H / 16), part * (H / 16), s.w13_scale.begin() + to * (H / 16));
+      if (w.w13_bias != nullptr) std::copy_n(w.w13_bias + from, part, s.w13_bias.begin() + to);
     }
     for (int64_t h = 0; h < H; ++h) {  // w2 row h: columns [begin, end) of I
       const int64_t row = e * H + h;
@@ -95,12 +100,17 @@ TensorParallelShard tensor_parallel_shard(const MoeProblem& p, const reference::
   s.w2_scale_2 = copy(w.w2_scale_2);
   s.w2_input_scale = copy(w.w2_input_scale);
   s.w13_input_scale_max = w.w13_input_scale_max;
+  // NOTE: GEMM2's bias is added once per output: by rank 0, so that the ranks' outputs sum to the layer's.
+  if (w.w2_bias != nullptr && rank == 0) s.w2_bias.assign(w.w2_bias, w.w2_bias + E * H);
   return s;
 }
 
 reference::MoeWeights TensorParallelShard::weights() const {
-  return {w13.data(), w13_scale.data(), w13_scale_2.data(), w13_input_scale.data(),
-          w2.data(),  w2_scale.data(),  w2_scale_2.data(),  w2_input_scale.data(), w13_input_scale_max};
+  reference::MoeWeights v{w13.data(), w13_scale.data(), w13_scale_2.data(), w13_input_scale.data(),
+                          w2.data(),  w2_scale.data(),  w2_scale_2.data(),  w2_input_scale.data(), w13_input_scale_max};
+  v.w13_bias = w13_bias.empty() ? nullptr : w13_bias.data();
+  v.w2_bias = w2_bias.empty() ? nullptr : w2_bias.data();
+  return v;
 }
 
 }  // namespace fp4moe::io

@@ -146,6 +146,7 @@ inline bool gemm1_params(const Gemm1Args& args, sm90gemm::Params& p) {
   p.out_cols = static_cast<int>(gated ? args.N / 2 : args.N);  // I
   p.a_row_to_entry = args.a_row_to_entry;
   p.a_top_k = args.a_top_k;
+  p.bias = args.bias;
   return true;
 }
 

@@ -169,6 +169,8 @@ struct Params {
   int out_cols;                    // I (GEMM1)
   const int32_t* a_row_to_entry;   // GEMM1 only: GEMM row r reads a[a_row_to_entry[r] / a_top_k]
   int a_top_k;                     //   (a un-permuted, [T, K]); nullptr: row r reads a[r]
+  const float* bias;               // GEMM1: [E, N] w13_bias (rows [gate; up]) added to h before the
+                                   //   activation, or nullptr
   // GEMM2
   const int32_t* row_to_entry;     // [rows]
   float* y;                        // [entries, N]
@@ -742,8 +744,8 @@ using nvfp4::pack_bf16x2;  // RNE each
 // share the items) describe the wgmma kernel's staging tile; the streaming kernel spreads the same
 // arithmetic over (token, 2 columns) pairs instead (sm90stream::gemm1_pairs).
 template <Activation K, int kStride, int kUpRow, int kNumThreads>
-__device__ __forceinline__ void gemm1_items(const Params& p, const float* stg, int64_t out_base, int items,
-                                            int valid_rows, float gs, float inv_gs) {
+__device__ __forceinline__ void gemm1_items(const Params& p, const float* stg, const float* bias, int64_t out_base,
+                                            int items, int valid_rows, float gs, float inv_gs) {
   constexpr bool kGated = K != Activation::Relu2;
   for (int item = threadIdx.x; item < items; item += kNumThreads) {
     const int tok = item % valid_rows, blk = item / valid_rows;
@@ -755,6 +757,13 @@ __device__ __forceinline__ void gemm1_items(const Params& p, const float* stg, i
     for (int i = 0; i < 16; ++i) {
       h[i] = lds_f32(src + i * kStride * 4);
       u[i] = kGated ? lds_f32(src + (kUpRow + i) * kStride * 4) : 0.0f;
+    }
+    if (bias != nullptr) {  // kernel-uniform: h = alpha * acc + b, one fp32 add (expert biases)
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+        h[i] = __fadd_rn(h[i], bias[blk * 16 + i]);
+        if (kGated) u[i] = __fadd_rn(u[i], bias[p.out_cols + blk * 16 + i]);
+      }
     }
     float den[16];
 #pragma unroll
@@ -779,12 +788,12 @@ __device__ __forceinline__ void gemm1_items(const Params& p, const float* stg, i
 
 // The GEMM1 epilogue of a CTA whose staged tile holds output columns [i0, i0 + cols_cta) of the tile's
 // valid_rows token rows (from row_start): the valid columns, (w4a4) the re-quantization scale from
-// act_scale (p.act_scale[expert], read by the caller), then Loop::run<K> with the activation kind as a
-// template parameter. Loop spreads the arithmetic over the CTA's threads: Gemm1Items (below, the wgmma
-// kernel) or sm90stream::Gemm1Pairs.
+// act_scale (p.act_scale[expert], read by the caller), the expert's bias row (column i0 of gate; up
+// out_cols later), then Loop::run<K> with the activation kind as a template parameter. Loop spreads
+// the arithmetic over the CTA's threads: Gemm1Items (below, the wgmma kernel) or sm90stream::Gemm1Pairs.
 template <class Loop>
 __device__ __forceinline__ void gemm1_epilogue(const Params& p, const float* stg, int i0, int cols_cta,
-                                               int64_t row_start, int valid_rows, float act_scale) {
+                                               int64_t row_start, int valid_rows, float act_scale, int expert) {
   const int cols = min(cols_cta, p.out_cols - i0);
   float gs = 0.0f, inv_gs = 0.0f;
   if (p.quantize) {
@@ -792,13 +801,18 @@ __device__ __forceinline__ void gemm1_epilogue(const Params& p, const float* stg
     inv_gs = __fdiv_rn(1.0f, gs);
   }
   const int64_t out_base = row_start * static_cast<int64_t>(p.out_cols) + i0;
+  const float* bias = p.bias != nullptr ? p.bias + static_cast<int64_t>(expert) * p.N + i0 : nullptr;
   switch (p.act.kind) {
-    case Activation::SwiGLU: Loop::template run<Activation::SwiGLU>(p, stg, out_base, cols, valid_rows, gs, inv_gs); break;
-    case Activation::GeGLU: Loop::template run<Activation::GeGLU>(p, stg, out_base, cols, valid_rows, gs, inv_gs); break;
-    case Activation::SwiGLUOai:
-      Loop::template run<Activation::SwiGLUOai>(p, stg, out_base, cols, valid_rows, gs, inv_gs);
+    case Activation::SwiGLU:
+      Loop::template run<Activation::SwiGLU>(p, stg, bias, out_base, cols, valid_rows, gs, inv_gs);
       break;
-    default: Loop::template run<Activation::Relu2>(p, stg, out_base, cols, valid_rows, gs, inv_gs); break;
+    case Activation::GeGLU:
+      Loop::template run<Activation::GeGLU>(p, stg, bias, out_base, cols, valid_rows, gs, inv_gs);
+      break;
+    case Activation::SwiGLUOai:
+      Loop::template run<Activation::SwiGLUOai>(p, stg, bias, out_base, cols, valid_rows, gs, inv_gs);
+      break;
+    default: Loop::template run<Activation::Relu2>(p, stg, bias, out_base, cols, valid_rows, gs, inv_gs); break;
   }
 }
 
@@ -806,9 +820,10 @@ __device__ __forceinline__ void gemm1_epilogue(const Params& p, const float* stg
 template <int kStride, int kUpRow, int kNumThreads>
 struct Gemm1Items {
   template <Activation K>
-  __device__ __forceinline__ static void run(const Params& p, const float* stg, int64_t out_base, int cols,
-                                             int valid_rows, float gs, float inv_gs) {
-    gemm1_items<K, kStride, kUpRow, kNumThreads>(p, stg, out_base, (cols / 16) * valid_rows, valid_rows, gs, inv_gs);
+  __device__ __forceinline__ static void run(const Params& p, const float* stg, const float* bias, int64_t out_base,
+                                             int cols, int valid_rows, float gs, float inv_gs) {
+    gemm1_items<K, kStride, kUpRow, kNumThreads>(p, stg, bias, out_base, (cols / 16) * valid_rows, valid_rows, gs,
+                                                 inv_gs);
   }
 };
 
@@ -1005,7 +1020,7 @@ __global__ void __launch_bounds__(kThreads, TileConfig<TileTokens>::kCtasPerSm)
   const int cols_cta = gated ? kBlockN / 2 : kBlockN;
   using Items = Gemm1Items<kStagingStride, kBlockN / 2, kConsumerThreads>;
   gemm1_epilogue<Items>(p, stg, ntile * cols_cta, cols_cta, row_start, valid_rows,
-                        p.quantize ? p.act_scale[expert] : 0.0f);
+                        p.quantize ? p.act_scale[expert] : 0.0f, expert);
 }
 #endif  // !FP4MOE_SM90GEMM_HELPERS_ONLY
 

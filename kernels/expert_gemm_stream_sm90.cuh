@@ -471,8 +471,8 @@ __device__ __forceinline__ void wait_tile_ready(const int32_t* flag, int count) 
 // qwen3-30b-a3b T = 1: most of GEMM1's "no instruction" stalls, on a single warp). Pairs give every
 // warp a share and need a fraction of the code.
 template <Activation K, int kStride>
-__device__ __forceinline__ void gemm1_pairs(const Params& p, const float* stg, int64_t out_base, int cols,
-                                            int valid_rows, float gs, float inv_gs) {
+__device__ __forceinline__ void gemm1_pairs(const Params& p, const float* stg, const float* bias, int64_t out_base,
+                                            int cols, int valid_rows, float gs, float inv_gs) {
   constexpr bool kGated = K != Activation::Relu2;
   constexpr int kUpRow = kRowsPerCta / 2;  // kStride: floats per staging row (StreamTile::kStgStride)
   const int per_row = cols / 2;  // cols % 16 == 0: a whole number of 8-lane blocks per row
@@ -485,8 +485,16 @@ __device__ __forceinline__ void gemm1_pairs(const Params& p, const float* stg, i
     const bool live = it < total;
     const int tok = live ? it / per_row : 0, col = live ? (it % per_row) * 2 : 0;
     const float* src = stg + col * kStride + tok;  // staging row = output column (gate), + kUpRow (up)
-    const float h0 = src[0], h1 = src[kStride];
-    const float u0 = kGated ? src[kUpRow * kStride] : 0.0f, u1 = kGated ? src[(kUpRow + 1) * kStride] : 0.0f;
+    float h0 = src[0], h1 = src[kStride];
+    float u0 = kGated ? src[kUpRow * kStride] : 0.0f, u1 = kGated ? src[(kUpRow + 1) * kStride] : 0.0f;
+    if (bias != nullptr && live) {  // kernel-uniform but for dead lanes: h = alpha * acc + b (expert biases)
+      h0 = __fadd_rn(h0, bias[col]);
+      h1 = __fadd_rn(h1, bias[col + 1]);
+      if (kGated) {
+        u0 = __fadd_rn(u0, bias[p.out_cols + col]);
+        u1 = __fadd_rn(u1, bias[p.out_cols + col + 1]);
+      }
+    }
     float x0 = sm90gemm::activation<K>(p.act, h0, u0, sm90gemm::activation_denominator<K>(p.act, h0));
     float x1 = sm90gemm::activation<K>(p.act, h1, u1, sm90gemm::activation_denominator<K>(p.act, h1));
     if (p.quantize) {  // kernel-uniform
@@ -509,9 +517,9 @@ __device__ __forceinline__ void gemm1_pairs(const Params& p, const float* stg, i
 template <int kStride>
 struct Gemm1Pairs {
   template <Activation K>
-  __device__ __forceinline__ static void run(const Params& p, const float* stg, int64_t out_base, int cols,
-                                             int valid_rows, float gs, float inv_gs) {
-    gemm1_pairs<K, kStride>(p, stg, out_base, cols, valid_rows, gs, inv_gs);
+  __device__ __forceinline__ static void run(const Params& p, const float* stg, const float* bias, int64_t out_base,
+                                             int cols, int valid_rows, float gs, float inv_gs) {
+    gemm1_pairs<K, kStride>(p, stg, bias, out_base, cols, valid_rows, gs, inv_gs);
   }
 };
 
@@ -745,7 +753,7 @@ __global__ void __launch_bounds__(kThreads, StreamTile<TileRows>::kCtasPerSm)
     __syncthreads();
     const int cols_cta = gated ? kRowsPerCta / 2 : kRowsPerCta;
     sm90gemm::gemm1_epilogue<Gemm1Pairs<kStgStride>>(p, stg, ntile * cols_cta, cols_cta, row_start, valid_rows,
-                                                     s_act_scale);
+                                                     s_act_scale, expert);
     if (sp.tile_ready != nullptr) {  // kernel-uniform
       __syncthreads();  // every act store of the CTA
       if (tid == 0) signal_tile_ready(sp.tile_ready + tile);

@@ -1,4 +1,4 @@
-// kernels/finalize.cu — out[t] = bf16(sum_j w[t,j] * y[t*k+j]) (DESIGN.md §1 step 6).
+// kernels/finalize.cu — out[t] = bf16(sum_j w[t,j] * (y[t*k+j] + b[id])) (DESIGN.md §1 step 6; b: the optional expert bias).
 //
 // One thread per 8 consecutive columns of one token: for each slot j in order it accumulates 8 fp32
 // of y[t*k+j] as acc = acc + w * y with separately rounded fp32 operations (__fmul_rn / __fadd_rn:
@@ -36,7 +36,7 @@ __global__ void __launch_bounds__(kThreads) finalize_kernel(const FinalizeArgs a
   // row becomes NaN (bad input poisons its own token only) instead of reading garbage, or, with
   // skip_foreign_ids (expert parallelism: another rank's expert), the slot is left out of the sum.
   nvfp4::finalize_token8<8>(acc, k, t * k, a.unit_weights ? nullptr : a.topk_weights, a.topk_ids, a.num_experts,
-                            a.y + c, H, a.skip_foreign_ids);
+                            a.y + c, H, a.skip_foreign_ids, a.bias != nullptr ? a.bias + c : nullptr);
   if (a.out_f32 != nullptr) {
     float4* dst = reinterpret_cast<float4*>(a.out_f32 + t * H + c);
     dst[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
@@ -58,6 +58,7 @@ cudaError_t launch_finalize(const FinalizeArgs& a, cudaStream_t stream) {
   if (threads == 0) return cudaSuccess;
   if (a.y == nullptr || (a.out == nullptr) == (a.out_f32 == nullptr) || (!a.unit_weights && a.topk_weights == nullptr))
     return cudaErrorInvalidValue;
+  if (a.bias != nullptr && (a.topk_ids == nullptr || a.num_experts < 1 || !aligned16(a.bias))) return cudaErrorInvalidValue;
   if (!aligned16(a.y) || !aligned16(a.out != nullptr ? static_cast<const void*>(a.out) : a.out_f32))
     return cudaErrorMisalignedAddress;
   const int64_t blocks = (threads + kThreads - 1) / kThreads;

@@ -215,6 +215,7 @@ struct Gemm1Args : ExpertGemmArgs {
   // kernel's row_to_entry, entry = token * top_k + slot).
   const int32_t* a_row_to_entry = nullptr;
   int a_top_k = 0;                        // >= 1 with a_row_to_entry
+  const float* bias = nullptr;            // [E, N] w13_bias (expert biases): h = alpha * acc + bias, or nullptr
 };
 // Runs the kernel of args.tactic (the streaming kernel for sm90_stream, split args.tactic.split_k1 ways
 // along K).
@@ -272,6 +273,8 @@ struct FinalizeArgs {
   bool skip_foreign_ids = false;        //   with skip_foreign_ids adds nothing (another rank's expert)
   __nv_bfloat16* out = nullptr;         // [T, H], or
   float* out_f32 = nullptr;             //   [T, H] the fp32 sums, not rounded (exactly one of the two)
+  const float* bias = nullptr;          // [E, H] w2_bias (expert biases): each slot adds w * (y + bias[id]);
+                                        //   needs topk_ids and num_experts. nullptr: none
 };
 cudaError_t launch_finalize(const FinalizeArgs& args, cudaStream_t stream);
 

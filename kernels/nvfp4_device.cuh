@@ -211,7 +211,9 @@ __device__ __forceinline__ void finalize_add_slot8(float (&acc)[8], float w, con
 // (finalize_add_slot8). y points at the first column in row 0; row r starts y_row_stride floats later.
 // weights == nullptr: unit weights. ids != nullptr: a slot whose id lies outside [0, num_experts) has
 // no GEMM row (its y was never written, and is not read): acc becomes NaN there, or with
-// skip_foreign_ids (expert parallelism: another rank's expert) the slot adds nothing.
+// skip_foreign_ids (expert parallelism: another rank's expert) the slot adds nothing. bias != nullptr
+// (expert biases; needs ids): the slot's y is y + bias[id] (one fp32 add; bias at the same first column,
+// row stride y_row_stride) before the weighted add.
 // NOTE (loads first): the weights and y of up to kInFlight slots are loaded before the first add; with
 // a load and its use per slot, a thread waited for k L2 round trips in a row (SASS: each slot's loads
 // issued after the previous slot's adds), the whole time of a decode finalize. kInFlight x 8 registers
@@ -219,7 +221,8 @@ __device__ __forceinline__ void finalize_add_slot8(float (&acc)[8], float w, con
 template <int kInFlight>
 __device__ __forceinline__ void finalize_token8(float (&acc)[8], int k, int64_t entry0, const float* weights,
                                                 const int32_t* ids, int num_experts, const float* y,
-                                                int64_t y_row_stride, bool skip_foreign_ids = false) {
+                                                int64_t y_row_stride, bool skip_foreign_ids = false,
+                                                const float* bias = nullptr) {
   for (int j0 = 0; j0 < k; j0 += kInFlight) {
     float w[kInFlight];
     bool bad[kInFlight];
@@ -230,11 +233,22 @@ __device__ __forceinline__ void finalize_token8(float (&acc)[8], int k, int64_t 
       const int64_t entry = entry0 + j0 + s;
       w[s] = weights != nullptr ? weights[entry] : 1.0f;
       bad[s] = false;
+      int32_t e = 0;
       if (ids != nullptr) {
-        const int32_t e = ids[entry];
+        e = ids[entry];
         bad[s] = e < 0 || e >= num_experts;
       }
-      if (!bad[s]) v[s] = finalize_load_slot8(y + entry * y_row_stride);
+      if (!bad[s]) {
+        v[s] = finalize_load_slot8(y + entry * y_row_stride);
+        if (bias != nullptr) {  // kernel-uniform (expert biases)
+          const float4* b = reinterpret_cast<const float4*>(bias + static_cast<int64_t>(e) * y_row_stride);
+          const float4 lo = __ldg(b), hi = __ldg(b + 1);
+          v[s].lo = make_float4(__fadd_rn(v[s].lo.x, lo.x), __fadd_rn(v[s].lo.y, lo.y), __fadd_rn(v[s].lo.z, lo.z),
+                                __fadd_rn(v[s].lo.w, lo.w));
+          v[s].hi = make_float4(__fadd_rn(v[s].hi.x, hi.x), __fadd_rn(v[s].hi.y, hi.y), __fadd_rn(v[s].hi.z, hi.z),
+                                __fadd_rn(v[s].hi.w, hi.w));
+        }
+      }
     }
 #pragma unroll
     for (int s = 0; s < kInFlight; ++s) {

@@ -56,11 +56,11 @@ struct HostWeights {
     const TensorCheck host{where, false, 0};
     static const std::set<std::string> known = {"w13", "w13_scale", "w13_scale_2", "w13_input_scale",
                                                 "w2",  "w2_scale",  "w2_scale_2",  "w2_input_scale",
-                                                "w13_input_scale_max"};
+                                                "w13_input_scale_max", "w13_bias", "w2_bias"};
     for (auto [key, value] : weights) {
       const std::string k = nb::cast<std::string>(key);
       check(known.count(k) == 1, where, ": unknown key '", k, "' (expected w13, w13_scale, w13_scale_2, ",
-            "w13_input_scale, w2, w2_scale, w2_scale_2, w2_input_scale, w13_input_scale_max)");
+            "w13_input_scale, w2, w2_scale, w2_scale_2, w2_input_scale, w13_input_scale_max, w13_bias, w2_bias)");
     }
     auto get = [&](const char* name, bool required) -> std::optional<InArray> {
       if (!weights.contains(name)) {
@@ -101,6 +101,11 @@ struct HostWeights {
     view.w2_scale = scales("w2_scale", H, I, "[E, H, I/16]");
     view.w2_scale_2 = per_expert("w2_scale_2", true);
     view.w2_input_scale = per_expert("w2_input_scale", w4a4);
+    // Optional expert biases (gpt-oss), float32.
+    if (const std::optional<InArray> b = get("w13_bias", false))
+      view.w13_bias = static_cast<const float*>(host(*b, "w13_bias", Elem::F32, {E, N13}, "[E, w13_rows]"));
+    if (const std::optional<InArray> b = get("w2_bias", false))
+      view.w2_bias = static_cast<const float*>(host(*b, "w2_bias", Elem::F32, {E, H}, "[E, H]"));
     if (weights.contains("w13_input_scale_max")) {  // a number: the whole layer's (expert parallelism)
       const nb::object v = weights["w13_input_scale_max"];
       if (!nb::try_cast(v, view.w13_input_scale_max, true))
@@ -122,6 +127,11 @@ class PreparedLayer {
     check(max_tokens >= 0, "Layer: max_tokens must be >= 0, got ", max_tokens);
     const WeightPrepOptions options{scales_swizzled, w13_up_gate};
     const HostWeights host(problem_, weights, options);
+    try {
+      reference::check_biases(host.view, problem_);
+    } catch (const Error& e) {
+      throw Error(std::string("Layer: ") + e.what());
+    }
     if (device == "cuda") {
       check(device_index >= 0, "Layer: device_index must name a CUDA device (>= 0), got ", device_index);
       device_ = device_index;
@@ -146,6 +156,8 @@ class PreparedLayer {
     w13_scale_ = std::move(c.w13_scale);
     w2_scale_ = std::move(c.w2_scale);
     w2_.assign(host.view.w2, host.view.w2 + E * problem_.hidden * problem_.inter / 2);
+    w13_bias_ = std::move(c.w13_bias);
+    if (host.view.w2_bias != nullptr) w2_bias_.assign(host.view.w2_bias, host.view.w2_bias + E * problem_.hidden);
     auto copy = [E](const float* v) { return v ? std::vector<float>(v, v + E) : std::vector<float>(E, 1.0f); };
     w13_scale_2_ = copy(host.view.w13_scale_2);
     w2_scale_2_ = copy(host.view.w2_scale_2);
@@ -195,9 +207,11 @@ class PreparedLayer {
       router.topk_ids = a.topk_ids;
       router.topk_weights = a.topk_weights;
     }
-    const reference::MoeWeights w{w13_.data(), w13_scale_.data(), w13_scale_2_.data(), w13_input_scale_.data(),
-                                  w2_.data(),  w2_scale_.data(),  w2_scale_2_.data(),  w2_input_scale_.data(),
-                                  w13_input_scale_max_};
+    reference::MoeWeights w{w13_.data(), w13_scale_.data(), w13_scale_2_.data(), w13_input_scale_.data(),
+                            w2_.data(),  w2_scale_.data(),  w2_scale_2_.data(),  w2_input_scale_.data(),
+                            w13_input_scale_max_};
+    w.w13_bias = w13_bias_.empty() ? nullptr : w13_bias_.data();
+    w.w2_bias = w2_bias_.empty() ? nullptr : w2_bias_.data();
     const reference::MoeResult r = reference::moe_forward(p, T, static_cast<const uint16_t*>(a.hidden), router, w);
     if (a.output_dtype == OutputDType::F32) std::memcpy(a.output, r.output_f32.data(), r.output_f32.size() * sizeof(float));
     else std::memcpy(a.output, r.output.data(), r.output.size() * sizeof(uint16_t));
@@ -215,6 +229,7 @@ class PreparedLayer {
   std::vector<uint8_t> w13_, w13_scale_, w2_, w2_scale_;  // cpu: canonical layout
   std::vector<float> w13_scale_2_, w13_input_scale_, w2_scale_2_, w2_input_scale_;
   float w13_input_scale_max_ = 0.0f;
+  std::vector<float> w13_bias_, w2_bias_;  // cpu: canonical layout, or empty
 };
 
 // The live layers by id, for callers that hold no Python reference: a JAX custom call names its layer

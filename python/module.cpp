@@ -53,12 +53,17 @@ nb::dict weights_dict(const MoeProblem& p, Weights& w) {
   d["w2_input_scale"] = to_array(std::move(w.w2_input_scale), {E});
   if constexpr (requires { w.w13_input_scale_max; })
     if (w.w13_input_scale_max > 0.0f) d["w13_input_scale_max"] = w.w13_input_scale_max;
+  if constexpr (requires { w.w13_bias; }) {  // optional expert biases
+    if (!w.w13_bias.empty()) d["w13_bias"] = to_array(std::move(w.w13_bias), {E, N13});
+    if (!w.w2_bias.empty()) d["w2_bias"] = to_array(std::move(w.w2_bias), {E, H});
+  }
   return d;
 }
 
 // A random case (io::make_random_packed_case): weights, bf16 hidden states (as uint16 bits) and logits.
-nb::dict random_case(const MoeProblem& p, int64_t num_tokens, uint64_t seed) {
+nb::dict random_case(const MoeProblem& p, int64_t num_tokens, uint64_t seed, bool expert_biases) {
   io::MoeCase c = io::make_random_packed_case(p, num_tokens, seed);
+  if (expert_biases) io::add_random_expert_biases(c, seed);
   const size_t T = size_t(num_tokens), E = size_t(p.num_experts), H = size_t(p.hidden), k = size_t(p.top_k());
   nb::dict d;
   d["weights"] = weights_dict(p, c);
@@ -249,8 +254,9 @@ NB_MODULE(_fp4moe, m) {
     const bool ok = cuda_device_available(&why);
     return std::make_pair(ok, why);
   }, "(available, why not): an sm_90 device is visible and this build has the CUDA kernels.");
-  m.def("random_case", &random_case, "problem"_a, "num_tokens"_a, "seed"_a = 1,
-        "Random NVFP4 weights and inputs for a problem (host arrays; bf16 as uint16 bits).");
+  m.def("random_case", &random_case, "problem"_a, "num_tokens"_a, "seed"_a = 1, "expert_biases"_a = false,
+        "Random NVFP4 weights and inputs for a problem (host arrays; bf16 as uint16 bits), with random "
+        "expert biases (w13_bias, w2_bias) when asked.");
   m.def("load_layer", &load_layer, "checkpoint"_a, "layer"_a, nb::kw_only(), "ep_rank"_a = 0, "ep_size"_a = 1,
         "tp_rank"_a = 0, "tp_size"_a = 1, "fusion"_a = "rescale_to_max",
         "One MoE layer of an NVFP4 checkpoint directory in the canonical layout (host arrays).");

@@ -96,7 +96,7 @@ using RowSource =
 // A [R, K] and C [R, N] are in permuted order. Work item: (expert, block of weight rows): its
 // weight rows are produced once and kept in cache while every row of A for that expert streams by.
 void expert_gemm(const Permutation& perm, int64_t num_experts, int64_t K, int64_t N, const float* A,
-                 const float* alpha, const RowSource& rows, float* C) {
+                 const float* alpha, const float* bias, const RowSource& rows, float* C) {
   // About 64 KiB of fp32 weight rows per block (4..64 rows); A rows go by in chunks of the same size.
   const int64_t block = std::clamp<int64_t>(16384 / K, 4, 64);
   const int64_t blocks_per_expert = (N + block - 1) / block;
@@ -116,9 +116,10 @@ void expert_gemm(const Permutation& perm, int64_t num_experts, int64_t K, int64_
       const int64_t rc_end = std::min(r_end, rc + block);
       for (int64_t n = n0; n < n1; ++n) {
         const float* w = W + (n - n0) * K;
+        const float b = bias != nullptr ? bias[e * N + n] : 0.0f;
         for (int64_t r = rc; r < rc_end; ++r) {
           const float acc = static_cast<float>(dot(A + r * K, w, K));
-          C[r * N + n] = a * acc;  // fp32 multiply
+          C[r * N + n] = bias != nullptr ? a * acc + b : a * acc;  // fp32 multiply, then the fp32 add
         }
       }
     }
@@ -265,6 +266,16 @@ void check_input_scale_max(const MoeWeights& weights, int64_t num_experts, ActQu
         "max of w13_input_scale (", local_max, "), got ", m);
 }
 
+void check_biases(const MoeWeights& weights, const MoeProblem& problem) {
+  auto finite = [](const float* b, int64_t rows, int64_t cols, const char* name) {
+    if (b == nullptr) return;
+    for (int64_t i = 0; i < rows * cols; ++i)
+      check(std::isfinite(b[i]), "weights.", name, "[", i / cols, ", ", i % cols, "] is not finite (", b[i], ")");
+  };
+  finite(weights.w13_bias, problem.num_experts, problem.w13_rows(), "w13_bias");
+  finite(weights.w2_bias, problem.num_experts, problem.hidden, "w2_bias");
+}
+
 MoeResult moe_forward(const MoeProblem& problem, int64_t num_tokens, const uint16_t* hidden,
                       const RouterInput& router, const MoeWeights& weights, MoeTrace* trace) {
   // ---- 0. arguments ----
@@ -299,6 +310,7 @@ MoeResult moe_forward(const MoeProblem& problem, int64_t num_tokens, const uint1
     check_scales(weights.w2_input_scale, s.E, "w2_input_scale", true);
   }
   check_input_scale_max(weights, s.E, problem.act_quant);
+  check_biases(weights, problem);
   const bool precomputed = rp.method == RoutingMethod::Precomputed;
   if (precomputed) {
     check(router.logits == nullptr,
@@ -386,8 +398,10 @@ MoeResult moe_forward(const MoeProblem& problem, int64_t num_tokens, const uint1
     alpha2[e] = w4a4 ? weights.w2_scale_2[e] * weights.w2_input_scale[e] : weights.w2_scale_2[e];
   }
   std::vector<float> h(static_cast<size_t>(R * s.N1));
-  expert_gemm(perm, E, H, s.N1, a.data(), alpha1.data(),
+  expert_gemm(perm, E, H, s.N1, a.data(), alpha1.data(), weights.w13_bias,
               nvfp4_rows(weights.w13, weights.w13_scale, s.N1, H), h.data());
+
+  if (trace != nullptr) trace->gemm1_out = unpermute(perm, h, s.N1);
 
   // ---- 5. activation, rounded (w4a16) or re-quantized (w4a4) ----
   std::vector<float> act;
@@ -402,7 +416,7 @@ MoeResult moe_forward(const MoeProblem& problem, int64_t num_tokens, const uint1
 
   // ---- 6. GEMM2 ----
   std::vector<float> y(static_cast<size_t>(R * H));
-  expert_gemm(perm, E, I, H, act.data(), alpha2.data(),
+  expert_gemm(perm, E, I, H, act.data(), alpha2.data(), weights.w2_bias,
               nvfp4_rows(weights.w2, weights.w2_scale, H, I), y.data());
 
   // ---- 7. finalize ----
@@ -455,12 +469,12 @@ std::vector<float> moe_forward_fp32(const MoeProblem& problem, int64_t num_token
   });
   const std::vector<float> ones(static_cast<size_t>(E), 1.0f);
   std::vector<float> h(static_cast<size_t>(R * s.N1));
-  expert_gemm(perm, E, H, s.N1, a.data(), ones.data(), fp32_rows(w13, s.N1, H), h.data());
+  expert_gemm(perm, E, H, s.N1, a.data(), ones.data(), nullptr, fp32_rows(w13, s.N1, H), h.data());
   std::vector<float> act;
   activation_rows(s, problem.activation, perm, routing.ids, h, act, [](int64_t, int32_t, float*, int) {});
   h = {};
   std::vector<float> y(static_cast<size_t>(R * H));
-  expert_gemm(perm, E, s.I, H, act.data(), ones.data(), fp32_rows(w2, H, s.I), y.data());
+  expert_gemm(perm, E, s.I, H, act.data(), ones.data(), nullptr, fp32_rows(w2, H, s.I), y.data());
   std::vector<float> out(static_cast<size_t>(T * H));
   finalize(s, perm, routing.weights, on_input, y, [&](int64_t i, float v) { out[i] = v; });
   return out;

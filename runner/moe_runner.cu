@@ -151,6 +151,8 @@ class GpuMoeRunner final : public MoeRunner {
   kernels::PrepackedWeights w13_, w2_;           // layout chosen by the GEMM kernels
   DeviceBytes w13_bytes_, w13_scale_bytes_, w2_bytes_, w2_scale_bytes_;
   DeviceBytes alpha1_, alpha2_, act_scale_, input_scale_;  // [E] fp32 each; input_scale_ [1] or [E]
+  DeviceBytes w13_bias_, w2_bias_;  // optional expert biases: [E, w13_rows] (rows [gate; up]), [E, H] fp32
+  bool has_w13_bias_ = false, has_w2_bias_ = false;
 };
 
 // Validates one per-expert scale vector: finite and > 0.
@@ -186,6 +188,7 @@ Status GpuMoeRunner::prepare_weights_or_throw(const reference::MoeWeights& w, co
       if (auto m = check_scales(v, E, name); !m.empty()) return Status::failure(m);
 
   reference::check_input_scale_max(w, E, p.act_quant);
+  reference::check_biases(w, p);
   // Canonical layout first: linear scales, [gate; up] row order.
   const io::CanonicalExpertWeights canonical = io::canonical_expert_weights(p, w, options);
 
@@ -225,6 +228,16 @@ Status GpuMoeRunner::prepare_weights_or_throw(const reference::MoeWeights& w, co
   if (m = act_scale_.upload(act_scale.data(), E * sizeof(float), "w2_input_scale"); !m.empty()) return Status::failure(m);
   if (m = input_scale_.upload(input_scale.data(), input_scale.size() * sizeof(float), "w13_input_scale"); !m.empty())
     return Status::failure(m);
+  // Expert biases: w13's in the canonical row order (the GEMM1 epilogue indexes it by output column),
+  // w2's as given.
+  has_w13_bias_ = !canonical.w13_bias.empty();
+  has_w2_bias_ = w.w2_bias != nullptr;
+  if (has_w13_bias_)
+    if (m = w13_bias_.upload(canonical.w13_bias.data(), canonical.w13_bias.size() * sizeof(float), "w13_bias");
+        !m.empty())
+      return Status::failure(m);
+  if (has_w2_bias_)
+    if (m = w2_bias_.upload(w.w2_bias, E * H * sizeof(float), "w2_bias"); !m.empty()) return Status::failure(m);
   prepared_ = true;
   return Status::success();
 }
@@ -358,9 +371,10 @@ Status GpuMoeRunner::run(cudaStream_t stream, const ForwardArgs& a, bool routed,
   const int64_t finalize_in_gemm2_entries = p.hidden <= 4096 ? 128 : 64;
   // NOTE: fp32 outputs (partials of tensor / expert parallelism) take the separate finalize, whose
   // store has both forms; the fused finalizes store bf16 only.
+  // NOTE: so do expert biases: the separate finalize adds w2_bias (y + b, one fp32 add, then w * (y + b)).
   const bool f32_output = a.output_dtype == OutputDType::F32;
-  const bool finalize_in_gemm2 = k > 1 && !routed && !f32_output && tactic.kernel == GemmKernel::Sm90Stream &&
-                                 entries <= finalize_in_gemm2_entries;
+  const bool finalize_in_gemm2 = k > 1 && !routed && !f32_output && !has_w2_bias_ &&
+                                 tactic.kernel == GemmKernel::Sm90Stream && entries <= finalize_in_gemm2_entries;
   if (finalize_in_gemm2) {
     pa.zero_words[0] = region<int32_t>(ws, plan.finalize_counters);
     pa.zero_count[0] = kernels::gemm2_finalize_counter_count(T, p.hidden);
@@ -463,6 +477,7 @@ Status GpuMoeRunner::run(cudaStream_t stream, const ForwardArgs& a, bool routed,
   g1.mode = p.act_quant;
   g1.act_scale = act_scale_.as<float>();
   g1.act = region<__nv_bfloat16>(ws, plan.act);
+  g1.bias = has_w13_bias_ ? w13_bias_.as<float>() : nullptr;
   g1.split_workspace = region<void>(ws, plan.split1);
   // NOTE (early start, kernels/launch.hpp GemmEarlyStart): what a streaming GEMM may read before its
   // dependency wait follows from this launch order. After a gather_quantize launch the tile table is two
@@ -491,7 +506,7 @@ Status GpuMoeRunner::run(cudaStream_t stream, const ForwardArgs& a, bool routed,
   // NOTE: with top-1 routing the finalize is one multiply per element: GEMM2 writes the output itself
   // (saves writing and re-reading y). Precomputed ids keep the separate finalize, which turns an
   // out-of-range id (a token without a GEMM row) into a NaN row.
-  const bool fuse_finalize = k == 1 && !routed && !f32_output;
+  const bool fuse_finalize = k == 1 && !routed && !f32_output && !has_w2_bias_;
   if (fuse_finalize || finalize_in_gemm2) {
     g2.out = static_cast<__nv_bfloat16*>(a.output);
     g2.out_weights = p.routing.apply_router_weight_on_input ? nullptr : weights;
@@ -518,6 +533,11 @@ Status GpuMoeRunner::run(cudaStream_t stream, const ForwardArgs& a, bool routed,
     f.topk_ids = ids;
     f.num_experts = E;
     f.skip_foreign_ids = p.routing.skip_foreign_ids;
+  }
+  if (has_w2_bias_) {  // each slot's bias row by its expert id
+    f.topk_ids = ids;
+    f.num_experts = E;
+    f.bias = w2_bias_.as<float>();
   }
   if (f32_output) f.out_f32 = static_cast<float*>(a.output);
   else f.out = static_cast<__nv_bfloat16*>(a.output);

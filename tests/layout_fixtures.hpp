@@ -18,35 +18,40 @@
 
 namespace fp4moe::test {
 
-// [gate; up] <-> [up; gate]: swaps the two halves of every expert's rows of `v` (row_bytes per row).
-inline std::vector<uint8_t> swap_gate_up(std::vector<uint8_t> v, const MoeProblem& p, int64_t row_bytes) {
+// [gate; up] <-> [up; gate]: swaps the two halves of every expert's rows of `v` (row_elems per row;
+// an empty v stays empty).
+template <typename T>
+std::vector<T> swap_gate_up(std::vector<T> v, const MoeProblem& p, int64_t row_elems) {
   const int64_t N13 = p.w13_rows(), I = p.inter;
-  for (int64_t e = 0; e < p.num_experts; ++e) {
-    auto first = v.begin() + e * N13 * row_bytes;
-    std::swap_ranges(first, first + I * row_bytes, first + I * row_bytes);
+  for (int64_t e = 0; e < p.num_experts && !v.empty(); ++e) {
+    auto first = v.begin() + e * N13 * row_elems;
+    std::swap_ranges(first, first + I * row_elems, first + I * row_elems);
   }
   return v;
 }
 
 struct SwizzledUpGateWeights {
   std::vector<uint8_t> w13, w13_scale, w2_scale;  // [up; gate] rows; swizzled scales
+  std::vector<float> w13_bias;                    // [up; gate] rows (empty without biases)
 
   explicit SwizzledUpGateWeights(const io::MoeCase& c) {
     const MoeProblem& p = c.problem;
     const int64_t E = p.num_experts, H = p.hidden, I = p.inter, N13 = p.w13_rows();
     w13 = swap_gate_up(c.w13, p, H / 2);
+    w13_bias = swap_gate_up(c.w13_bias, p, 1);
     const std::vector<uint8_t> w13_linear = swap_gate_up(c.w13_scale, p, H / 16);
     w13_scale.resize(format::swizzled_scales_size(E, N13, H / 16));
     w2_scale.resize(format::swizzled_scales_size(E, H, I / 16));
     format::scales_linear_to_swizzled(w13_linear.data(), E, N13, H / 16, w13_scale.data());
     format::scales_linear_to_swizzled(c.w2_scale.data(), E, H, I / 16, w2_scale.data());
   }
-  // The case's weights with these three tensors in their place (views; valid while both live).
+  // The case's weights with these tensors in their place (views; valid while both live).
   reference::MoeWeights weights(const io::MoeCase& c) const {
     reference::MoeWeights w = c.weights();
     w.w13 = w13.data();
     w.w13_scale = w13_scale.data();
     w.w2_scale = w2_scale.data();
+    if (!w13_bias.empty()) w.w13_bias = w13_bias.data();
     return w;
   }
 };
@@ -59,6 +64,7 @@ struct ExpertRangeWeights {
   std::vector<uint8_t> w13, w13_scale, w2, w2_scale;
   std::vector<float> w13_scale_2, w13_input_scale, w2_scale_2, w2_input_scale;
   float w13_input_scale_max = 0.0f;
+  std::vector<float> w13_bias, w2_bias;  // the range's rows, or empty
   std::vector<int32_t> local_ids;  // [T, k]
 
   ExpertRangeWeights(const io::MoeCase& c, int64_t begin, int64_t end, const std::vector<int32_t>& routing_ids) {
@@ -79,14 +85,20 @@ struct ExpertRangeWeights {
     w13_input_scale = range(c.w13_input_scale);
     w2_scale_2 = range(c.w2_scale_2);
     w2_input_scale = range(c.w2_input_scale);
+    w13_bias = range(c.w13_bias);
+    w2_bias = range(c.w2_bias);
     w13_input_scale_max = *std::max_element(c.w13_input_scale.begin(), c.w13_input_scale.end());
     local_ids.resize(routing_ids.size());
     for (size_t i = 0; i < routing_ids.size(); ++i)
       local_ids[i] = routing_ids[i] >= begin && routing_ids[i] < end ? routing_ids[i] - int32_t(begin) : -1;
   }
   reference::MoeWeights weights() const {
-    return {w13.data(), w13_scale.data(), w13_scale_2.data(), w13_input_scale.data(),
-            w2.data(),  w2_scale.data(),  w2_scale_2.data(),  w2_input_scale.data(), w13_input_scale_max};
+    reference::MoeWeights v{w13.data(), w13_scale.data(), w13_scale_2.data(), w13_input_scale.data(),
+                            w2.data(),  w2_scale.data(),  w2_scale_2.data(),  w2_input_scale.data(),
+                            w13_input_scale_max};
+    v.w13_bias = w13_bias.empty() ? nullptr : w13_bias.data();
+    v.w2_bias = w2_bias.empty() ? nullptr : w2_bias.data();
+    return v;
   }
 };
 

@@ -24,6 +24,7 @@ struct MoeCase {
   std::vector<float> w13_scale_2, w13_input_scale;  // [E]
   std::vector<uint8_t> w2, w2_scale;    // [E, H, I/2], [E, H, I/16]
   std::vector<float> w2_scale_2, w2_input_scale;    // [E]
+  std::vector<float> w13_bias, w2_bias;  // optional expert biases: [E, w13_rows], [E, H] (or empty)
 
   reference::MoeWeights weights() const;      // views into this case
   reference::RouterInput router() const;      // views into this case
@@ -53,5 +54,9 @@ MoeCase make_random_case(const MoeProblem& problem, int64_t num_tokens,
 // fp32 weights: cheap for presets with GBs of weights (tests, benchmarks). Weight values
 // q * sf * scale_2 have an RMS of about 0.02; input scales follow the data (amax / (6 * 448)).
 MoeCase make_random_packed_case(const MoeProblem& problem, int64_t num_tokens, uint64_t seed);
+
+// Random expert biases (gpt-oss style) for `c`: w13_bias ~ N(0, 0.1), w2_bias ~ N(0, 0.02), about the
+// size of a random case's GEMM outputs (tests).
+void add_random_expert_biases(MoeCase& c, uint64_t seed);
 
 }  // namespace fp4moe::io

@@ -43,6 +43,10 @@ struct MoeWeights {
   // w4a4_scalar: when > 0, the one activation scale (the max of w13_input_scale over the whole layer's
   // experts: an expert-parallel rank holds only its own); 0: the max of w13_input_scale[0, E).
   float w13_input_scale_max = 0.0f;
+  // Optional expert biases (gpt-oss), fp32, added after the global scale: h = alpha1 * acc + w13_bias[e]
+  // before the activation, y = alpha2 * acc + w2_bias[e] before the finalize (docs/numerics.md).
+  const float* w13_bias = nullptr;         // [E, w13_rows] or null
+  const float* w2_bias = nullptr;          // [E, H] or null
 };
 
 // The router input: either logits (+ optional bias) or precomputed ids and weights.
@@ -63,6 +67,7 @@ struct MoeResult {
 // Intermediates, for stage-by-stage GPU tests. Indexed by the (token, slot) pair t*k + j.
 struct MoeTrace {
   std::vector<float> gemm1_input;  // [T*k, H] the GEMM1 A operand as values: bf16 x (w4a16) or q*sf (w4a4)
+  std::vector<float> gemm1_out;    // [T*k, w13_rows] h = alpha1 * (gemm1_input . w13^T) (+ w13_bias), fp32
   std::vector<float> act_out;      // [T*k, I] GEMM2 A operand as values: bf16(act) (w4a16) or q*sf (w4a4)
   std::vector<float> gemm2_out;    // [T*k, H] y = alpha2 * (act_out . w2^T), fp32
 };
@@ -70,6 +75,9 @@ struct MoeTrace {
 // Throws fp4moe::Error unless weights.w13_input_scale_max is 0 (unset) or a finite scale with a finite
 // fp32 reciprocal that is >= the max of w13_input_scale[0, E) (w4a4; any positive scale in w4a16).
 void check_input_scale_max(const MoeWeights& weights, int64_t num_experts, ActQuant act_quant);
+
+// Throws fp4moe::Error unless the optional biases (w13_bias [E, w13_rows], w2_bias [E, H]) are finite.
+void check_biases(const MoeWeights& weights, const MoeProblem& problem);
 
 // hidden [T, H] bf16 bits. Checks every argument (throws fp4moe::Error). Multi-threaded over tokens.
 // The router input is exactly one of: logits (+ bias) for a computed method, or topk_ids +

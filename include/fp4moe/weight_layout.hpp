@@ -25,11 +25,12 @@ struct CanonicalExpertWeights {
   std::vector<uint8_t> w13;        // [E, w13_rows, H/2]  e2m1 pairs, rows [gate; up]
   std::vector<uint8_t> w13_scale;  // [E, w13_rows, H/16] e4m3, linear
   std::vector<uint8_t> w2_scale;   // [E, H, I/16]        e4m3, linear
+  std::vector<float> w13_bias;     // [E, w13_rows] rows [gate; up], or empty (no bias given)
 };
 
-// Copies w13, w13_scale and w2_scale of `weights` (sized by `problem`) into the canonical layout:
-// swizzled scales are unswizzled (format::scales_swizzled_to_linear), [up; gate] halves swapped per
-// expert. Throws fp4moe::Error when a tensor is null or w13_up_gate is asked of an ungated activation
+// Copies w13, w13_scale, w2_scale and w13_bias of `weights` (sized by `problem`) into the canonical
+// layout: swizzled scales are unswizzled (format::scales_swizzled_to_linear), [up; gate] halves swapped
+// per expert (the bias's too). Throws fp4moe::Error when a tensor is null or w13_up_gate is asked of an ungated activation
 // (the messages name the tensor or option; callers prefix their own name).
 CanonicalExpertWeights canonical_expert_weights(const MoeProblem& problem, const reference::MoeWeights& weights,
                                                 const WeightPrepOptions& options);
@@ -43,7 +44,8 @@ CanonicalExpertWeights canonical_expert_weights(const MoeProblem& problem, const
 // ranks, so a rank's layer is a plain MoE layer with its share of I, its GEMM2 input is the whole
 // layer's restricted to its columns (bit for bit), and the sum of the ranks' outputs is the whole
 // layer's output up to fp32 summation order and the bf16 rounding of each rank's partial output (the
-// caller all-reduces them).
+// caller all-reduces them). Expert biases: w13_bias keeps the rank's rows; w2_bias, added once per
+// output, stays with rank 0 only.
 
 // [begin, end) of I held by rank `rank` of `size`; needs I / 16 >= size. Throws fp4moe::Error naming
 // the bad value.
@@ -57,6 +59,8 @@ struct TensorParallelShard {
   std::vector<uint8_t> w2, w2_scale;    // [E, H, I_r/2], [E, H, I_r/16]      I_r = inter_end - inter_begin
   std::vector<float> w13_scale_2, w13_input_scale, w2_scale_2, w2_input_scale;  // [E], as given (1.0 when absent)
   float w13_input_scale_max = 0.0f;                                             // as given
+  std::vector<float> w13_bias;  // [E, 2 I_r] the rank's rows, or empty (no bias)
+  std::vector<float> w2_bias;   // [E, H] on rank 0, else empty
   reference::MoeWeights weights() const;  // views into this object
 };
 

@@ -297,8 +297,9 @@ def tensor_parallel_shard(problem, weights, rank, size, framework="numpy"):
     return _convert(_fp4moe.tensor_parallel_shard(problem, host, rank, size), framework)
 
 
-def random_case(problem, num_tokens, seed=1, framework="numpy"):
+def random_case(problem, num_tokens, seed=1, framework="numpy", expert_biases=False):
     """Random NVFP4 weights and inputs for `problem` (host arrays): {"weights": {...}, "hidden_states"
     (bf16; uint16 bits in NumPy), "router_logits" or "topk_ids" / "topk_weights", "routing_bias" when
-    the method is deepseek_v3}. `framework`: "numpy" or "torch" (CPU tensors)."""
-    return _convert(_fp4moe.random_case(problem, num_tokens, seed), framework)
+    the method is deepseek_v3}. `framework`: "numpy" or "torch" (CPU tensors). expert_biases: the
+    weights also hold random "w13_bias" [E, w13_rows] and "w2_bias" [E, H] (float32, gpt-oss style)."""
+    return _convert(_fp4moe.random_case(problem, num_tokens, seed, expert_biases), framework)

@@ -28,13 +28,16 @@ TEST(WeightLayout, CanonicalInputIsCopiedUnchanged) {
 
 TEST(WeightLayout, SwizzledScalesAndUpGateRowsComeBackCanonical) {
   const MoeProblem p = preset("tiny");
-  const io::MoeCase c = io::make_random_packed_case(p, 1, 6);
+  io::MoeCase c = io::make_random_packed_case(p, 1, 6);
+  io::add_random_expert_biases(c, 6);
   const test::SwizzledUpGateWeights other(c);
+  ASSERT_NE(other.w13_bias, c.w13_bias);
   const io::CanonicalExpertWeights w =
       io::canonical_expert_weights(p, other.weights(c), {.scales_swizzled = true, .w13_up_gate = true});
   EXPECT_EQ(w.w13, c.w13);
   EXPECT_EQ(w.w13_scale, c.w13_scale);
   EXPECT_EQ(w.w2_scale, c.w2_scale);
+  EXPECT_EQ(w.w13_bias, c.w13_bias);  // the bias's [up; gate] halves swapped back too
 }
 
 TEST(WeightLayout, ErrorsNameTheTensorOrOption) {

@@ -47,13 +47,16 @@ def numpy_moe_w4a16(problem, case):
     top = np.take_along_axis(logits, ids, axis=1)
     weights = np.exp(top - top.max(axis=1, keepdims=True))
     weights /= weights.sum(axis=1, keepdims=True)
+    b13 = w.get("w13_bias", np.zeros(w13.shape[:2]))  # optional expert biases
+    b2 = w.get("w2_bias", np.zeros(w2.shape[:2]))
     out = np.zeros((x.shape[0], problem.hidden))
     for t in range(x.shape[0]):
         for j in range(k):
-            h = w13[ids[t, j]] @ x[t]
+            e = ids[t, j]
+            h = w13[e] @ x[t] + b13[e]
             gate, up = h[:inter], h[inter:]
             act = bf16_round(gate / (1 + np.exp(-gate)) * up)
-            out[t] += weights[t, j] * (w2[ids[t, j]] @ act)
+            out[t] += weights[t, j] * (w2[e] @ act + b2[e])
     return bf16_round(out), ids.astype(np.int32), weights
 
 
@@ -87,6 +90,25 @@ def test_cpu_layer_matches_numpy_model(tokens):
     np.testing.assert_allclose(weights, ref_weights, rtol=1e-6)
     # The library's summation order against fp64 here: the tolerance of the GPU layer tests.
     expect_layer_close(bf16_bits_to_float(output), ref_out, f"T={tokens}")
+
+
+@pytest.mark.parametrize("tokens", [1, 6])
+def test_cpu_layer_with_expert_biases_matches_numpy(tokens):
+    problem = fp4moe.preset("tiny")
+    case = fp4moe.random_case(problem, tokens, seed=200 + tokens, expert_biases=True)
+    w = case["weights"]
+    assert w["w13_bias"].shape == (problem.num_experts, problem.w13_rows) and w["w2_bias"].dtype == np.float32
+    output, _, _ = fp4moe.MoeLayer(problem, w, device="cpu", max_tokens=8)(case["hidden_states"], case["router_logits"])
+    ref_out, _, _ = numpy_moe_w4a16(problem, case)
+    expect_layer_close(bf16_bits_to_float(output), ref_out, f"biases T={tokens}")
+    plain, _, _ = numpy_moe_w4a16(problem, {**case, "weights": {n: v for n, v in w.items() if "bias" not in n}})
+    assert np.abs(ref_out - plain).max() > 0.01  # the biases matter here
+    with pytest.raises(fp4moe.Error, match=r"w2_bias: expected shape \[E, H\]"):
+        fp4moe.MoeLayer(problem, {**w, "w2_bias": w["w2_bias"][:, :16]}, device="cpu", max_tokens=8)
+    with pytest.raises(fp4moe.Error, match=r"weights.w13_bias\[0, 1\] is not finite"):
+        bad = w["w13_bias"].copy()
+        bad[0, 1] = np.inf
+        fp4moe.MoeLayer(problem, {**w, "w13_bias": bad}, device="cpu", max_tokens=8)
 
 
 def test_forward_forms_agree():

@@ -88,6 +88,19 @@ def test_bf16_logits_and_precomputed_routing():
     assert torch.equal(out_routed, out_bf16)
 
 
+@pytest.mark.parametrize("name", ["swiglu_oai-padded", "tiny-w4a4_scalar", "llama4-top1"])
+def test_expert_biases_match_the_cpu_layer(name):
+    problem = PROBLEMS[name]
+    case = fp4moe.random_case(problem, 41, seed=77, framework="torch", expert_biases=True)
+    cpu = fp4moe.MoeLayer(problem, case["weights"], device="cpu", max_tokens=64)
+    gpu = fp4moe.MoeLayer(problem, case["weights"], device=DEVICE, max_tokens=64)
+    inputs = to_device(case)
+    ref_out, ref_ids, _ = cpu(case["hidden_states"], case["router_logits"])
+    out, ids, _ = gpu(inputs["hidden_states"], inputs["router_logits"])
+    assert torch.equal(ids.cpu(), ref_ids), name
+    expect_close(out, ref_out, f"{name} with expert biases")
+
+
 def test_concurrent_forwards_with_their_own_workspaces():
     """One layer's weights on two streams at once (two overlapped micro-batches), a workspace each."""
     problem = PROBLEMS["tiny-w4a4_scalar"]

@@ -360,6 +360,33 @@ TEST(LayerExpertParallel, RanksMatchTheReferenceRank) {
   }
 }
 
+// Expert biases (gpt-oss): GEMM1's in both kernels' epilogues (and after a K split), GEMM2's in the
+// separate finalize, which a forward with biases always takes; top-1 and top-k, gated and relu2.
+TEST(LayerExpertBias, MatchesTheReferenceOnEveryKernel) {
+  SKIP_WITHOUT_GPU();
+  const std::optional<MoeTactic> tactics[] = {std::nullopt, MoeTactic{GemmKernel::Sm90Wgmma, 128, 1, 1},
+                                              MoeTactic{GemmKernel::Sm90Stream, 16, 1, 1},
+                                              MoeTactic{GemmKernel::Sm90Stream, 16, 2, 1}};
+  for (Activation act : {Activation::SwiGLUOai, Activation::Relu2})
+    for (ActQuant mode : {ActQuant::W4A16, ActQuant::W4A4Scalar})
+      for (int top_k : {4, 1})
+        for (const auto& tactic : tactics)
+          for (int64_t T : {1, 37}) {
+            MoeProblem p;
+            p.num_experts = 16;
+            p.hidden = 512;  // GEMM1's K = 512: four 128-chunks, enough for split_k1 = 2
+            p.inter = 256;
+            p.routing.top_k = top_k;
+            p.activation.kind = act;
+            p.act_quant = mode;
+            io::MoeCase c = random_case(p, T, 700 + T + top_k);
+            io::add_random_expert_biases(c, 800 + T);
+            const std::string label = p.describe() + " T=" + std::to_string(T) + " " +
+                                      (tactic ? describe(*tactic) : std::string("heuristic"));
+            expect_layer_matches(c, label, tactic);
+          }
+}
+
 // fp32 outputs (ForwardArgs::output_dtype F32, the partials of tensor / expert parallelism): the sums
 // that the bf16 output rounds, bit for bit, whichever finalize the bf16 forward fused (the streaming
 // GEMM2's, top-1's in GEMM2, or the separate one, which the fp32 forward always takes); close to the
