@@ -288,7 +288,8 @@ Ceilings measure_ceilings() {
 std::vector<BenchRow> bench_model(const std::string& model, const MoeProblem& p, const std::vector<int64_t>& tokens,
                                   const Ceilings& ceil, const BenchOptions& opt, bool progress) {
   if (progress) std::fprintf(stderr, "bench %s: preparing random NVFP4 weights ...\n", model.c_str());
-  const io::MoeCase random = io::make_random_packed_case(p, 0, opt.seed);
+  io::MoeCase random = io::make_random_packed_case(p, 0, opt.seed);
+  if (opt.expert_biases) io::add_random_expert_biases(random, opt.seed);
   return bench_weights(model, p, random.weights(), tokens, ceil, opt, progress);
 }
 

@@ -68,6 +68,8 @@ void add_bench_command(CLI::App& app, BenchCommandOptions& o) {
                 "Tensor parallelism: time rank 0's layer of N ranks (its share of I in whole 16-column blocks; the "
                 "all-reduce of the ranks' outputs is not included)")
       ->capture_default_str();
+  b->add_flag("--expert-biases", o.expert_biases,
+              "Presets: random expert biases (w13_bias, w2_bias, as gpt-oss has) on the random weights");
   b->add_flag("--no-refcheck", o.no_refcheck,
               "Skip the check of each row's output against the CPU reference (timing experiments only)");
   o.command = b;
@@ -79,6 +81,8 @@ int run_bench_command(const BenchCommandOptions& o) {
   const std::vector<std::string> models = split_list(o.models);
   check(models.empty() != o.checkpoint.empty(), "bench: give either --model PRESET[,PRESET] or --checkpoint DIR --layer L");
   check(o.tp_size >= 1, "bench: --tp-size must be >= 1, got ", o.tp_size);
+  check(!o.expert_biases || o.checkpoint.empty(),
+        "bench: --expert-biases adds random biases to the presets' random weights; a checkpoint layer has its own");
   // The problem of tensor-parallel rank 0 (the whole problem when --tp-size is 1), and its row label.
   auto rank_problem = [&](MoeProblem p) {
     p.inter = io::tensor_parallel_range(p.inter, 0, o.tp_size).second;
@@ -104,6 +108,7 @@ int run_bench_command(const BenchCommandOptions& o) {
   opt.idle_ms = o.idle_ms;
   opt.warmup_ms = o.warmup_ms;
   opt.refcheck = !o.no_refcheck;
+  opt.expert_biases = o.expert_biases;
   opt.l2_flush = parse_l2_flush(o.l2_flush, "--l2-flush");
   if (!opt.refcheck) std::fprintf(stderr, "bench: --no-refcheck: the outputs are NOT checked against the CPU reference\n");
   if (!o.tactic.empty()) {

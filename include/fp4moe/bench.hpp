@@ -59,6 +59,7 @@ struct BenchOptions {
   uint64_t seed = 1;
   std::optional<MoeTactic> tactic;  // force this tactic (MoeRunner::force_tactic); default: the runner's choice
   bool refcheck = true;             // check each row's first tokens against the CPU reference (throws on a mismatch)
+  bool expert_biases = false;       // bench_model: random expert biases (gpt-oss) on the random weights
   L2Flush l2_flush = L2Flush::Read;
 };
 

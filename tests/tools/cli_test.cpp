@@ -110,6 +110,13 @@ TEST(Cli, BenchTensorParallelSplitIsCheckedBeforeAnyGpuWork) {
   EXPECT_THAT(zero.output, HasSubstr("--tp-size must be >= 1, got 0"));
 }
 
+TEST(Cli, BenchExpertBiasesAreForPresets) {
+  const CliRun r = cli("bench --checkpoint /nonexistent --layer 0 --tokens 1 --expert-biases");
+  EXPECT_EQ(r.status, 2);
+  EXPECT_THAT(r.output, HasSubstr("--expert-biases adds random biases to the presets' random weights"));
+  EXPECT_THAT(cli("bench --help").output, HasSubstr("--expert-biases"));
+}
+
 TEST(Cli, BenchHelpNamesBothL2Flushes) {
   const CliRun r = cli("bench --help");
   EXPECT_EQ(r.status, 0);
