@@ -17,12 +17,14 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <functional>
 #include <set>
 #include <thread>
 #include <vector>
 
 #include "fp4moe/bench.hpp"
 #include "fp4moe/case_file.hpp"
+#include "fp4moe/checkpoint.hpp"
 #include "fp4moe/format.hpp"
 #include "fp4moe/reference.hpp"
 #include "fp4moe/runner.hpp"
@@ -63,16 +65,30 @@ double median(std::vector<double> v) {
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
+// Random activations, logits (and DeepSeek bias) for T tokens, or (precomputed routing: expert
+// parallelism) the activations and a rank's ids and weights.
+struct LayerInputs {
+  std::vector<uint16_t> hidden;  // [T, H] bf16 bits
+  std::vector<float> logits;     // [T, E], empty with precomputed routing
+  std::vector<float> bias;       // [E] for DeepSeekV3, else empty
+  std::vector<int32_t> ids;      // [T, k] precomputed routing only (-1: another rank's expert)
+  std::vector<float> weights;    // [T, k] precomputed routing only
+};
+
 // Checks the first few tokens of a benchmark forward against the CPU reference (routing identical,
 // output within the layer tolerance of tests/runner: relative L2 < 5e-3). Throws on a mismatch.
-void refcheck(const MoeProblem& p, const reference::MoeWeights& weights, const std::vector<uint16_t>& hidden,
-              const std::vector<float>& logits,
-              const std::vector<float>& bias, int64_t T, const void* d_ids, const void* d_out) {
+void refcheck(const MoeProblem& p, const reference::MoeWeights& weights, const LayerInputs& in, int64_t T,
+              const void* d_ids, const void* d_out) {
   const int64_t n = std::min<int64_t>(T, 4), H = p.hidden, k = p.top_k();
   reference::RouterInput router;
-  router.logits = logits.data();
-  router.bias = bias.empty() ? nullptr : bias.data();
-  const reference::MoeResult ref = reference::moe_forward(p, n, hidden.data(), router, weights);
+  if (p.routing.method == RoutingMethod::Precomputed) {
+    router.topk_ids = in.ids.data();
+    router.topk_weights = in.weights.data();
+  } else {
+    router.logits = in.logits.data();
+    router.bias = in.bias.empty() ? nullptr : in.bias.data();
+  }
+  const reference::MoeResult ref = reference::moe_forward(p, n, in.hidden.data(), router, weights);
   std::vector<int32_t> ids(n * k);
   std::vector<uint16_t> out(n * H);
   ck(cudaMemcpy(ids.data(), d_ids, ids.size() * 4, cudaMemcpyDeviceToHost), "download ids");
@@ -90,11 +106,6 @@ void refcheck(const MoeProblem& p, const reference::MoeWeights& weights, const s
 }
 
 // Random activations, logits (and DeepSeek bias) for T tokens: normal-ish values from a xorshift.
-struct LayerInputs {
-  std::vector<uint16_t> hidden;  // [T, H] bf16 bits
-  std::vector<float> logits;     // [T, E]
-  std::vector<float> bias;       // [E] for DeepSeekV3, else empty
-};
 LayerInputs random_inputs(const MoeProblem& p, int64_t T, uint64_t seed) {
   uint64_t z = (seed + 1) * 0x9E3779B97F4A7C15ull + static_cast<uint64_t>(T);
   auto normalish = [&z] {  // sum of 4 uniforms, unit variance
@@ -182,8 +193,10 @@ class CapturedGraph {
 // samples from the end of the warm-up to the end of the timed replays.
 std::vector<double> time_replays(MoeRunner& runner, cudaStream_t stream, const ForwardArgs& a, const L2Flusher& flush,
                                  int warmup, int reps, double give_up_us = 0, int warmup_ms = 0,
-                                 ClockMonitor* clocks = nullptr) {
-  const CapturedGraph graph(stream, [&](cudaStream_t s) { return runner.forward(s, a); });
+                                 ClockMonitor* clocks = nullptr, bool routed = false) {
+  const CapturedGraph graph(stream, [&](cudaStream_t s) {
+    return routed ? runner.forward_routed(s, a) : runner.forward(s, a);
+  });
   Events ev(2 * reps);
   for (int i = 0; i < warmup; ++i) graph.launch(stream);
   bool idle = false;  // the stream has nothing in flight
@@ -221,6 +234,13 @@ std::vector<double> time_replays(MoeRunner& runner, cudaStream_t stream, const F
   for (double v : t_us) check(v > 0, "bench: a replay measured ", v, " us");
   return t_us;
 }
+
+// The rows of one prepared layer: inputs(T) gives each row's inputs (precomputed routing: ids and
+// weights, the layer run by forward_routed).
+using InputSource = std::function<LayerInputs(int64_t num_tokens)>;
+std::vector<BenchRow> bench_rows(const std::string& model, const MoeProblem& p, const reference::MoeWeights& weights,
+                                 const std::vector<int64_t>& tokens, const Ceilings& ceil, const BenchOptions& opt,
+                                 bool progress, const InputSource& inputs);
 
 }  // namespace
 
@@ -287,22 +307,57 @@ Ceilings measure_ceilings() {
 
 std::vector<BenchRow> bench_model(const std::string& model, const MoeProblem& p, const std::vector<int64_t>& tokens,
                                   const Ceilings& ceil, const BenchOptions& opt, bool progress) {
+  check(opt.ep_size >= 1 && opt.ep_size <= p.num_experts, "bench: ep_size must be in [1, E = ", p.num_experts,
+        "], got ", opt.ep_size);
+  check(opt.ep_size == 1 || p.routing.method != RoutingMethod::Precomputed,
+        "bench: expert parallelism routes the whole layer, which a precomputed problem cannot");
+  // Expert parallelism: rank 0's experts [0, n_local) on precomputed routing (the whole layer's, mapped).
+  const int64_t n_local = io::expert_range(p.num_experts, 0, opt.ep_size).second;
+  MoeProblem local = p;
+  if (opt.ep_size > 1) {
+    local.num_experts = n_local;
+    local.routing.method = RoutingMethod::Precomputed;
+    local.routing.skip_foreign_ids = true;
+  }
   if (progress) std::fprintf(stderr, "bench %s: preparing random NVFP4 weights ...\n", model.c_str());
-  io::MoeCase random = io::make_random_packed_case(p, 0, opt.seed);
+  io::MoeCase random = io::make_random_packed_case(local, 0, opt.seed);
   if (opt.expert_biases) io::add_random_expert_biases(random, opt.seed);
-  return bench_weights(model, p, random.weights(), tokens, ceil, opt, progress);
+  if (opt.ep_size == 1)
+    return bench_rows(model, p, random.weights(), tokens, ceil, opt, progress,
+                      [&](int64_t T) { return random_inputs(p, T, opt.seed); });
+  return bench_rows(model, local, random.weights(), tokens, ceil, opt, progress, [&](int64_t T) {
+    LayerInputs in = random_inputs(p, T, opt.seed);  // the whole layer's logits, routed on the CPU
+    const reference::Routing r =
+        reference::route(p.routing, T, p.num_experts, in.logits.data(), in.bias.empty() ? nullptr : in.bias.data());
+    in.ids = r.ids;
+    for (int32_t& id : in.ids) id = id < n_local ? id : -1;  // rank 0 holds experts [0, n_local)
+    in.weights = r.weights;
+    in.logits.clear();
+    in.bias.clear();
+    return in;
+  });
 }
 
 std::vector<BenchRow> bench_weights(const std::string& model, const MoeProblem& p, const reference::MoeWeights& weights,
                                     const std::vector<int64_t>& tokens, const Ceilings& ceil, const BenchOptions& opt,
                                     bool progress) {
+  check(p.routing.method != RoutingMethod::Precomputed,
+        "bench: a problem with precomputed routing cannot be benchmarked from logits");
+  return bench_rows(model, p, weights, tokens, ceil, opt, progress,
+                    [&](int64_t T) { return random_inputs(p, T, opt.seed); });
+}
+
+namespace {
+
+std::vector<BenchRow> bench_rows(const std::string& model, const MoeProblem& p, const reference::MoeWeights& weights,
+                                 const std::vector<int64_t>& tokens, const Ceilings& ceil, const BenchOptions& opt,
+                                 bool progress, const InputSource& inputs) {
   check(opt.reps >= 20, "bench: reps must be >= 20, got ", opt.reps);
   check(!tokens.empty(), "bench: no token counts given");
   for (int64_t t : tokens) check(t >= 1, "bench: token counts must be >= 1, got ", t);
   const int64_t max_t = *std::max_element(tokens.begin(), tokens.end());
   const int64_t E = p.num_experts, H = p.hidden, I = p.inter, k = p.top_k(), N13 = p.w13_rows();
-  const bool routed = p.routing.method == RoutingMethod::Precomputed;
-  check(!routed, "bench: a preset with precomputed routing cannot be benchmarked from logits");
+  const bool routed = p.routing.method == RoutingMethod::Precomputed;  // expert parallelism
 
   auto runner = MoeRunner::create(p, max_t);
   if (Status s = runner->prepare_weights(weights); !s.ok()) throw Error(s.message);
@@ -324,45 +379,55 @@ std::vector<BenchRow> bench_weights(const std::string& model, const MoeProblem& 
 
   std::vector<BenchRow> rows;
   for (int64_t T : tokens) {
-    const LayerInputs in = random_inputs(p, T, opt.seed);
-    const std::vector<uint16_t>& h = in.hidden;
-    const std::vector<float>& lg = in.logits;
+    const LayerInputs in = inputs(T);
     const std::vector<float>& bs = in.bias;
-    ck(cudaMemcpy(hidden.ptr, h.data(), h.size() * 2, cudaMemcpyHostToDevice), "upload hidden");
-    ck(cudaMemcpy(logits.ptr, lg.data(), lg.size() * 4, cudaMemcpyHostToDevice), "upload logits");
+    ck(cudaMemcpy(hidden.ptr, in.hidden.data(), in.hidden.size() * 2, cudaMemcpyHostToDevice), "upload hidden");
+    if (routed) {
+      ck(cudaMemcpy(ids.ptr, in.ids.data(), in.ids.size() * 4, cudaMemcpyHostToDevice), "upload ids");
+      ck(cudaMemcpy(wts.ptr, in.weights.data(), in.weights.size() * 4, cudaMemcpyHostToDevice), "upload weights");
+    } else {
+      ck(cudaMemcpy(logits.ptr, in.logits.data(), in.logits.size() * 4, cudaMemcpyHostToDevice), "upload logits");
+    }
     const bool has_bias = !bs.empty();
     if (has_bias) ck(cudaMemcpy(bias.ptr, bs.data(), E * 4, cudaMemcpyHostToDevice), "upload bias");
 
     ForwardArgs a;
     a.num_tokens = T;
     a.hidden = hidden.ptr;
-    a.router_logits = logits.ptr;
+    a.router_logits = routed ? nullptr : logits.ptr;
     a.routing_bias = has_bias ? static_cast<const float*>(bias.ptr) : nullptr;
     a.topk_ids = static_cast<int32_t*>(ids.ptr);
     a.topk_weights = static_cast<float*>(wts.ptr);
     a.output = out.ptr;
     a.workspace = ws.ptr;
     a.workspace_bytes = ws_bytes;
-    if (Status s = runner->forward(stream, a); !s.ok()) throw Error(s.message);
+    if (Status s = routed ? runner->forward_routed(stream, a) : runner->forward(stream, a); !s.ok())
+      throw Error(s.message);
     ck(cudaStreamSynchronize(stream), "forward");
 
-    if (opt.refcheck) refcheck(p, weights, h, lg, bs, T, ids.ptr, out.ptr);
+    if (opt.refcheck) refcheck(p, weights, in, T, ids.ptr, out.ptr);
 
     BenchRow row;
     row.model = model;
     row.mode = p.act_quant;
     row.tokens = T;
     row.tactic = describe(runner->tactic_for(T));
+    int64_t local_slots = T * k;  // the (token, slot) pairs this layer computes
     {
       std::vector<int32_t> got(T * k);
       ck(cudaMemcpy(got.data(), ids.ptr, got.size() * 4, cudaMemcpyDeviceToHost), "download ids");
-      row.experts_hit = static_cast<int64_t>(std::set<int32_t>(got.begin(), got.end()).size());
+      std::set<int32_t> hit(got.begin(), got.end());
+      if (routed) {  // expert parallelism: -1 is another rank's slot
+        hit.erase(-1);
+        local_slots = std::count_if(got.begin(), got.end(), [](int32_t id) { return id >= 0; });
+      }
+      row.experts_hit = static_cast<int64_t>(hit.size());
     }
 
     if (opt.idle_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(opt.idle_ms));
     // NOTE: the clock window opens after the rest and the warm-up (time_replays starts it): neither is the row's.
     const std::vector<double> t_us =
-        time_replays(*runner, stream, a, flush, opt.warmup, opt.reps, 0.0, opt.warmup_ms, &clocks);
+        time_replays(*runner, stream, a, flush, opt.warmup, opt.reps, 0.0, opt.warmup_ms, &clocks, routed);
     row.clock = clocks.stop();
     row.median_us = median(t_us);
     row.min_us = *std::min_element(t_us.begin(), t_us.end());
@@ -377,7 +442,7 @@ std::vector<BenchRow> bench_weights(const std::string& model, const MoeProblem& 
     Events marks(MoeRunner::kForwardStages + 1);
     std::vector<std::vector<double>> st(MoeRunner::kForwardStages);
     {
-      const CapturedGraph marked(stream, [&](cudaStream_t s) { return runner->forward_marked(s, a, false, marks.ev.data()); });
+      const CapturedGraph marked(stream, [&](cudaStream_t s) { return runner->forward_marked(s, a, routed, marks.ev.data()); });
       for (int i = 0; i < 5; ++i) {
         flush(stream, i);
         marked.launch(stream);
@@ -389,8 +454,9 @@ std::vector<BenchRow> bench_weights(const std::string& model, const MoeProblem& 
 
     const double params_per_expert = double(N13) * H + double(H) * I;
     row.weight_bytes = row.experts_hit * params_per_expert * 0.5625;
-    row.bytes = row.weight_bytes + double(T) * H * 2 * 2 + double(T) * E * 4;
-    row.flops = 2.0 * T * k * params_per_expert;
+    // Activations in and out, and the router input: logits, or (expert parallelism) ids and weights.
+    row.bytes = row.weight_bytes + double(T) * H * 2 * 2 + (routed ? double(T) * k * 8 : double(T) * E * 4);
+    row.flops = 2.0 * double(local_slots) * params_per_expert;
     row.floor_us = std::max(row.bytes / (ceil.copy_tbps * 1e12), row.flops / (ceil.bf16_tflops * 1e12)) * 1e6;
     row.pct_of_floor = 100.0 * row.floor_us / row.median_us;
     row.tflops = row.flops / (row.median_us * 1e-6) / 1e12;
@@ -409,6 +475,8 @@ std::vector<BenchRow> bench_weights(const std::string& model, const MoeProblem& 
   cudaStreamDestroy(stream);
   return rows;
 }
+
+}  // namespace
 
 std::vector<TuneEntry> tune_problem(const std::string& label, const MoeProblem& p, const TuneProfileOptions& o) {
   check(o.reps >= 5, "tune: reps must be >= 5, got ", o.reps);

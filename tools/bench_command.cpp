@@ -68,6 +68,10 @@ void add_bench_command(CLI::App& app, BenchCommandOptions& o) {
                 "Tensor parallelism: time rank 0's layer of N ranks (its share of I in whole 16-column blocks; the "
                 "all-reduce of the ranks' outputs is not included)")
       ->capture_default_str();
+  b->add_option("--ep-size", o.ep_size,
+                "Expert parallelism (presets): time rank 0's layer of N ranks, its experts on the whole layer's "
+                "routing (the routing and the all-reduce are not included)")
+      ->capture_default_str();
   b->add_flag("--expert-biases", o.expert_biases,
               "Presets: random expert biases (w13_bias, w2_bias, as gpt-oss has) on the random weights");
   b->add_flag("--no-refcheck", o.no_refcheck,
@@ -83,13 +87,20 @@ int run_bench_command(const BenchCommandOptions& o) {
   check(o.tp_size >= 1, "bench: --tp-size must be >= 1, got ", o.tp_size);
   check(!o.expert_biases || o.checkpoint.empty(),
         "bench: --expert-biases adds random biases to the presets' random weights; a checkpoint layer has its own");
+  check(o.ep_size == 1 || o.checkpoint.empty(), "bench: --ep-size is for presets; a checkpoint layer is not "
+        "supported with it yet (load_layer's ep_rank / ep_size give a rank's experts, but the bench routes logits)");
   // The problem of tensor-parallel rank 0 (the whole problem when --tp-size is 1), and its row label.
   auto rank_problem = [&](MoeProblem p) {
     p.inter = io::tensor_parallel_range(p.inter, 0, o.tp_size).second;
     return p;
   };
-  const std::string tp_label = o.tp_size > 1 ? "/tp" + std::to_string(o.tp_size) : "";
-  for (const auto& m : models) (void)rank_problem(preset(m, mode));  // unknown names, bad splits: before any GPU work
+  const std::string rank_label = (o.tp_size > 1 ? "/tp" + std::to_string(o.tp_size) : "") +
+                               (o.ep_size > 1 ? "/ep" + std::to_string(o.ep_size) : "");
+  for (const auto& m : models) {  // unknown names, bad splits: before any GPU work
+    const MoeProblem p = rank_problem(preset(m, mode));
+    check(o.ep_size >= 1 && o.ep_size <= p.num_experts, "bench: --ep-size must be in [1, E = ", p.num_experts,
+          "] for ", m, ", got ", o.ep_size);
+  }
   std::optional<io::MoeLayerWeights> layer;
   if (!o.checkpoint.empty()) {  // the checkpoint loads (and is checked) before any GPU work
     check(o.layer >= 0, "bench --checkpoint: --layer L (>= 0) is required");
@@ -109,6 +120,7 @@ int run_bench_command(const BenchCommandOptions& o) {
   opt.warmup_ms = o.warmup_ms;
   opt.refcheck = !o.no_refcheck;
   opt.expert_biases = o.expert_biases;
+  opt.ep_size = o.ep_size;
   opt.l2_flush = parse_l2_flush(o.l2_flush, "--l2-flush");
   if (!opt.refcheck) std::fprintf(stderr, "bench: --no-refcheck: the outputs are NOT checked against the CPU reference\n");
   if (!o.tactic.empty()) {
@@ -119,11 +131,11 @@ int run_bench_command(const BenchCommandOptions& o) {
   std::printf("L2 flush before each replay: %s\n", std::string(to_string(opt.l2_flush)).c_str());
   std::vector<BenchRow> rows;
   for (const auto& m : models) {
-    auto r = bench_model(m + tp_label, rank_problem(preset(m, mode)), tokens, c, opt, true);
+    auto r = bench_model(m + rank_label, rank_problem(preset(m, mode)), tokens, c, opt, true);
     rows.insert(rows.end(), r.begin(), r.end());
   }
   if (layer) {
-    const std::string label = "layer " + std::to_string(o.layer) + tp_label;
+    const std::string label = "layer " + std::to_string(o.layer) + rank_label;
     std::fprintf(stderr, "bench %s of %s: %s\n", label.c_str(), o.checkpoint.c_str(), layer->problem.describe().c_str());
     rows = bench_weights(label, layer->problem, layer->weights(), tokens, c, opt, true);
   }

@@ -60,6 +60,11 @@ struct BenchOptions {
   std::optional<MoeTactic> tactic;  // force this tactic (MoeRunner::force_tactic); default: the runner's choice
   bool refcheck = true;             // check each row's first tokens against the CPU reference (throws on a mismatch)
   bool expert_biases = false;       // bench_model: random expert biases (gpt-oss) on the random weights
+  // bench_model, expert parallelism: time rank 0 of ep_size ranks: its experts (io::expert_range) on the
+  // whole layer's routing of random logits (computed on the CPU, mapped to the rank's experts; another
+  // rank's slot adds nothing: RoutingParams::skip_foreign_ids). The routing itself, which every rank
+  // runs (GpuRouter), and the all-reduce are not in the time.
+  int ep_size = 1;
   L2Flush l2_flush = L2Flush::Read;
 };
 

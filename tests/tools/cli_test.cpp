@@ -117,6 +117,15 @@ TEST(Cli, BenchExpertBiasesAreForPresets) {
   EXPECT_THAT(cli("bench --help").output, HasSubstr("--expert-biases"));
 }
 
+TEST(Cli, BenchExpertParallelSizeIsCheckedBeforeAnyGpuWork) {
+  const CliRun r = cli("bench --model tiny --tokens 1 --ep-size 9");  // E = 8
+  EXPECT_EQ(r.status, 2);
+  EXPECT_THAT(r.output, HasSubstr("--ep-size must be in [1, E = 8] for tiny, got 9"));
+  const CliRun ck = cli("bench --checkpoint /nonexistent --layer 0 --tokens 1 --ep-size 2");
+  EXPECT_EQ(ck.status, 2);
+  EXPECT_THAT(ck.output, HasSubstr("--ep-size is for presets"));
+}
+
 TEST(Cli, BenchHelpNamesBothL2Flushes) {
   const CliRun r = cli("bench --help");
   EXPECT_EQ(r.status, 0);
