@@ -92,6 +92,9 @@ void MoeProblem::validate() const {
   check(!routing.skip_foreign_ids || routing.method == RoutingMethod::Precomputed,
         "MoeProblem.routing.skip_foreign_ids needs routing method precomputed (the caller maps the whole "
         "layer's expert ids to this rank's), got ", to_string(routing.method));
+  check(routing.total_experts == 0 || (routing.skip_foreign_ids && routing.total_experts >= num_experts),
+        "MoeProblem.routing.total_experts (the whole layer's experts) needs skip_foreign_ids and must be >= "
+        "num_experts (E = ", num_experts, "), got ", routing.total_experts);
 
   if (routing.method == RoutingMethod::DeepSeekV3) {
     const int ng = routing.n_group;
@@ -138,6 +141,7 @@ std::string MoeProblem::describe() const {
   if (routing.apply_router_weight_on_input)
     extra << (extra.tellp() > 0 ? "," : "") << "weight_on_input";
   if (routing.skip_foreign_ids) extra << (extra.tellp() > 0 ? "," : "") << "skip_foreign_ids";
+  if (routing.total_experts > 0) extra << ",of " << routing.total_experts;
   if (extra.tellp() > 0) os << '(' << extra.str() << ')';
   os << " act=" << to_string(activation.kind);
   if (activation.kind == Activation::SwiGLUOai)

@@ -101,6 +101,7 @@ nb::dict load_layer(const std::string& dir, int64_t layer, int ep_rank, int ep_s
   if (w.expert_end - w.expert_begin < w.total_experts) {
     p.routing.method = RoutingMethod::Precomputed;
     p.routing.skip_foreign_ids = true;
+    p.routing.total_experts = w.total_experts;
   }
   const size_t total = size_t(w.total_experts), H = size_t(p.hidden);
   nb::dict d;
@@ -212,6 +213,7 @@ NB_MODULE(_fp4moe, m) {
       .def_prop_ro("apply_router_weight_on_input",
                    [](const MoeProblem& p) { return p.routing.apply_router_weight_on_input; })
       .def_prop_ro("skip_foreign_ids", [](const MoeProblem& p) { return p.routing.skip_foreign_ids; })
+      .def_prop_ro("total_experts", [](const MoeProblem& p) { return p.routing.total_experts; })
       .def_prop_ro("activation", [](const MoeProblem& p) { return std::string(to_string(p.activation.kind)); })
       .def_prop_ro("act_quant", [](const MoeProblem& p) { return std::string(to_string(p.act_quant)); })
       .def_prop_ro("w13_rows", &MoeProblem::w13_rows)
@@ -237,12 +239,14 @@ NB_MODULE(_fp4moe, m) {
              q.num_experts = num_local_experts;
              q.routing.method = RoutingMethod::Precomputed;
              q.routing.skip_foreign_ids = true;
+             q.routing.total_experts = p.routing.total_experts > 0 ? p.routing.total_experts : p.num_experts;
              q.validate();
              return q;
            },
            "num_local_experts"_a,
            "An expert-parallel rank's problem: its experts only, precomputed routing with skip_foreign_ids (ids "
-           "outside [0, num_local_experts) are other ranks' experts).")
+           "outside [0, num_local_experts) are other ranks' experts), total_experts the whole layer's (its "
+           "tactics are chosen for the load an even routing gives the rank).")
       .def("describe", &MoeProblem::describe)
       .def("__repr__", [](const MoeProblem& p) { return "fp4moe.Problem(" + p.describe() + ")"; });
 

@@ -318,6 +318,7 @@ std::vector<BenchRow> bench_model(const std::string& model, const MoeProblem& p,
     local.num_experts = n_local;
     local.routing.method = RoutingMethod::Precomputed;
     local.routing.skip_foreign_ids = true;
+    local.routing.total_experts = p.num_experts;
   }
   if (progress) std::fprintf(stderr, "bench %s: preparing random NVFP4 weights ...\n", model.c_str());
   io::MoeCase random = io::make_random_packed_case(local, 0, opt.seed);

@@ -133,13 +133,16 @@ class GpuMoeRunner final : public MoeRunner {
       split2 = std::max(split2, kernels::gemm_stream_workspace_bytes(tiles, problem_.hidden, t.tile_tokens,
                                                                      t.split_k2));
     };
+    // NOTE: an expert-parallel rank chooses by tactic_tokens (fewer than T): a bucket's tactic may
+    // then serve up to max_tokens tokens, so its split workspace is sized for them.
+    const bool scaled = tactic_tokens(problem_, max_tokens) != max_tokens;
     if (forced_tactic_) {
       add(*forced_tactic_, max_tokens);
     } else {
       for (int b = 0; b < num_buckets(); ++b) {
         const BucketRange r = bucket_range(b);
         if (r.lo > max_tokens) break;
-        add(selector_->choices()[b].tactic, std::min(r.hi, max_tokens));
+        add(selector_->choices()[b].tactic, scaled ? max_tokens : std::min(r.hi, max_tokens));
       }
     }
     return WorkspacePlan(problem_, max_tokens, split1, split2);

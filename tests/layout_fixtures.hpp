@@ -73,6 +73,7 @@ struct ExpertRangeWeights {
     problem.num_experts = end - begin;
     problem.routing.method = RoutingMethod::Precomputed;
     problem.routing.skip_foreign_ids = true;
+    problem.routing.total_experts = p.num_experts;
     auto range = [&](const auto& v) {
       const size_t per = v.size() / size_t(p.num_experts);
       return std::vector<typename std::decay_t<decltype(v)>::value_type>(v.begin() + begin * per, v.begin() + end * per);

@@ -25,7 +25,14 @@ TacticSelector TacticSelector::from_file(const MoeProblem& problem, const Device
   return s;
 }
 
+int64_t tactic_tokens(const MoeProblem& p, int64_t T) {
+  const int64_t E = p.num_experts, total = p.routing.total_experts;
+  if (T <= 0 || !p.routing.skip_foreign_ids || total <= E || E < 1) return T;
+  return (T * E + total - 1) / total;  // T < 2^31, E <= 2^16: no overflow
+}
+
 void TacticSelector::build(const MoeProblem& problem, const DeviceKey& device, const TuneCache* cache) {
+  problem_ = problem;
   choices_.assign(kNumBuckets, Choice{});
   for (int b = 0; b < kNumBuckets; ++b)
     choices_[b] = {heuristic_tactic(problem, bucket_range(b).representative), b, Choice::Source::Heuristic};

@@ -56,6 +56,9 @@ struct RoutingParams {
   // slot adds nothing to this rank's partial output. Without it such an id is bad input that makes its
   // token's output row NaN. k may then exceed the local E.
   bool skip_foreign_ids = false;
+  // With skip_foreign_ids: the whole layer's expert count (0: not given). Tactics are then chosen for
+  // the load an even routing gives this rank (fp4moe/tune.hpp, tactic_tokens), not for T * k local slots.
+  int64_t total_experts = 0;
 };
 
 struct ActivationParams {

@@ -78,6 +78,12 @@ inline bool tactic_valid(const MoeProblem& problem, const MoeTactic& tactic) {
 // Always valid for the problem. Throws fp4moe::Error for T < 0.
 MoeTactic heuristic_tactic(const MoeProblem& problem, int64_t T);
 
+// The token count whose bucket chooses the tactic of a forward of T tokens: T, or for an
+// expert-parallel rank (skip_foreign_ids with routing.total_experts > E) ceil(T * E / total_experts),
+// the tokens that give its E experts the slots an even routing sends them (deepseek-r1 over 8 ranks,
+// T = 64: 8). T < 0 is returned as is (bucket_of refuses it).
+int64_t tactic_tokens(const MoeProblem& problem, int64_t T);
+
 // ---- buckets -------------------------------------------------------------------------------------------
 //
 // The ladder (fixed: the cache stores bucket indices, a change of the ladder makes old entries stale):
@@ -227,8 +233,9 @@ class TacticSelector {
   // heuristic only, no warning). The load's warnings are kept in warnings().
   static TacticSelector from_file(const MoeProblem& problem, const DeviceKey& device, const std::string& path);
 
-  // The choice for T >= 0 (throws fp4moe::Error for T < 0). No allocation.
-  const Choice& select(int64_t T) const { return choices_[bucket_of(T)]; }
+  // The choice for a forward of T >= 0 tokens: the bucket of tactic_tokens(problem, T) (throws
+  // fp4moe::Error for T < 0). No allocation.
+  const Choice& select(int64_t T) const { return choices_[bucket_of(tactic_tokens(problem_, T))]; }
   const std::vector<Choice>& choices() const { return choices_; }  // indexed by bucket
   int cached_buckets() const;                                       // choices with Source::Cache
   // For the caller to print once (log_warning), e.g. right after creating the runner.
@@ -237,6 +244,7 @@ class TacticSelector {
  private:
   TacticSelector() = default;
   void build(const MoeProblem& problem, const DeviceKey& device, const TuneCache* cache);
+  MoeProblem problem_;
   std::vector<Choice> choices_;
   std::vector<std::string> warnings_;
 };

@@ -339,7 +339,9 @@ def test_expert_parallel_ranks_sum_to_the_layer(act_quant):
     for begin, end in [(0, 3), (3, 6), (6, 8)]:
         local = {name: value[begin:end] for name, value in w.items()}
         local["w13_input_scale_max"] = float(w["w13_input_scale"].max())  # the whole layer's
-        rank = fp4moe.MoeLayer(problem.expert_parallel_rank(end - begin), local, device="cpu", max_tokens=32)
+        rank_problem = problem.expert_parallel_rank(end - begin)
+        assert rank_problem.total_experts == problem.num_experts and rank_problem.skip_foreign_ids
+        rank = fp4moe.MoeLayer(rank_problem, local, device="cpu", max_tokens=32)
         local_ids = np.where((ids >= begin) & (ids < end), ids - begin, -1).astype(np.int32)
         out, _, _ = rank(case["hidden_states"], topk_ids=local_ids, topk_weights=weights)
         total += bf16_bits_to_float(out)

@@ -87,6 +87,7 @@ TEST(ExpertParallelErrors, ForeignIdsNeedTheFlagAndPrecomputedRouting) {
   router.topk_weights = weights.data();
   MoeProblem strict = local.problem;
   strict.routing.skip_foreign_ids = false;
+  strict.routing.total_experts = 0;  // a plain precomputed problem
   expect_error([&] { reference::moe_forward(strict, 2, c.hidden_states.data(), router, local.weights()); },
                "must be an expert id in [0, 4), got -1");
   const reference::MoeResult r = reference::moe_forward(local.problem, 2, c.hidden_states.data(), router, local.weights());

@@ -35,6 +35,32 @@ TEST(TacticSelector, WithoutACacheEveryBucketIsTheHeuristic) {
   expect_error([&] { s.select(-1); }, "token count T must be >= 0");
 }
 
+TEST(TacticSelector, AnExpertParallelRankChoosesForItsShareOfTheTokens) {
+  MoeProblem rank = preset("deepseek-r1", ActQuant::W4A4Scalar);  // 256 experts over 8 ranks: 32 each
+  rank.num_experts = 32;
+  rank.routing.method = RoutingMethod::Precomputed;
+  rank.routing.skip_foreign_ids = true;
+  EXPECT_EQ(tactic_tokens(rank, 64), 64);  // the whole layer's expert count not given: T itself
+  rank.routing.total_experts = 256;
+  EXPECT_EQ(rank.describe().find("skip_foreign_ids,of 256") != std::string::npos, true) << rank.describe();
+  EXPECT_EQ(tactic_tokens(rank, 64), 8);
+  EXPECT_EQ(tactic_tokens(rank, 65), 9);  // rounded up
+  EXPECT_EQ(tactic_tokens(rank, 1), 1);
+  EXPECT_EQ(tactic_tokens(rank, 0), 0);
+  EXPECT_EQ(tactic_tokens(rank, -1), -1);
+  EXPECT_EQ(tactic_tokens(preset("deepseek-r1"), 64), 64);  // not expert-parallel
+  const TacticSelector s(rank, h200(), nullptr);
+  for (int64_t T : {1, 64, 1000, 16384}) {
+    const TacticSelector::Choice& c = s.select(T);
+    EXPECT_EQ(c.bucket, bucket_of(tactic_tokens(rank, T))) << T;
+    EXPECT_EQ(c.tactic, heuristic_tactic(rank, tactic_tokens(rank, T))) << T;
+  }
+  expect_error([&] { s.select(-1); }, "token count T must be >= 0");
+  rank.routing.total_experts = 16;
+  expect_error([&] { rank.validate(); }, "total_experts (the whole layer's experts) needs skip_foreign_ids and must be "
+                                         ">= num_experts (E = 32), got 16");
+}
+
 TEST(TacticSelector, TakesThisDevicesEntriesAndWarnsOnceAboutForeignOnes) {
   const MoeProblem p = preset("deepseek-r1", ActQuant::W4A4Scalar);
   TuneCache cache;
