@@ -415,8 +415,10 @@ TEST(LayerOutputF32, TheSumsThatTheBf16OutputRounds) {
     auto runner = MoeRunner::create(tc.p, tc.T);
     ASSERT_TRUE(runner->prepare_weights(c.weights()).ok()) << label;
     const test::LayerBuffers buf(tc.p, tc.T, *runner);
-    ASSERT_EQ(buf.upload(c), cudaSuccess);
-    if (tc.routed) {
+    if (!tc.routed) ASSERT_EQ(buf.upload(c), cudaSuccess);
+    if (tc.routed) {  // hidden rows, the caller's ids and weights (a precomputed case has no logits)
+      ASSERT_EQ(cudaMemcpy(buf.hidden.ptr, c.hidden_states.data(), c.hidden_states.size() * 2, cudaMemcpyHostToDevice),
+                cudaSuccess);
       ASSERT_EQ(cudaMemcpy(buf.ids.ptr, c.topk_ids.data(), c.topk_ids.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
       ASSERT_EQ(cudaMemcpy(buf.weights.ptr, c.topk_weights.data(), c.topk_weights.size() * 4, cudaMemcpyHostToDevice),
                 cudaSuccess);
