@@ -144,6 +144,7 @@ class MoeLayer:
         host = {name: _to_host(name, value) for name, value in dict(weights).items()}
         self._impl = _fp4moe.Layer(problem, host, kind, max_tokens, index, scales_swizzled, w13_up_gate)
         self._on_cuda = kind == "cuda"
+        self._device_index = index
         self._workspace = _allocate_workspace(self._impl.workspace_size(), index) if self._on_cuda else None
 
     @property
@@ -169,7 +170,7 @@ class MoeLayer:
         """A workspace of its own for concurrent forwards (torch or CuPy, on the layer's GPU; None on the cpu)."""
         if not self._on_cuda:
             return None
-        workspace = _allocate_workspace(self._impl.workspace_size(), int(self.device.split(":")[1]))
+        workspace = _allocate_workspace(self._impl.workspace_size(), self._device_index)
         if workspace is None:
             raise Error("MoeLayer.new_workspace: a cuda workspace is allocated with torch or CuPy; neither is installed")
         return workspace
