@@ -827,6 +827,54 @@ struct Gemm1Items {
   }
 };
 
+// GEMM2's epilogue rows: value(tok, acc) of every accumulator staged as [token][kBlockN] T in the (free)
+// ring (kStride elements per row), then copied out a warp per token row, 16 bytes per lane (512 B per
+// warp instruction), to dst[tok_entry[tok] * N + ntile * kBlockN ...] (the valid columns of the N tile).
+// Serves the fp32 y of the top-k presets and the bf16 output of the top-1 fused finalize.
+// NOTE (not one bulk copy per token row): cp.async.bulk takes its addresses in uniform registers, so a
+// copy per thread became a loop over the warp's lanes (3 R2UR + UBLKCP + BRA.U.ANY per token); its
+// branch held 15% of GEMM2's warp samples (ncu, qwen3-30b-a3b T = 16384 w4a16, t256).
+template <class C, class T, int kStride, class Value>
+__device__ __forceinline__ void gemm2_stage_and_copy_rows(const float (&acc)[C::kBlocks][C::kAcc], uint8_t* smem,
+                                                          const int32_t* tok_entry, T* dst, int N, int ntile,
+                                                          int valid_rows, Value value) {
+  constexpr int kB = C::kBlocks, kBlockN = C::kBlockN, kTileRows = C::kTileRows;
+  constexpr int kPerLane = 16 / static_cast<int>(sizeof(T)), kPerWarp = 32 * kPerLane;
+  static_assert(kStride * sizeof(T) % 16 == 0 && kTileRows * kStride * sizeof(T) <= C::kStages * C::kStageBytes,
+                "16-byte staging rows inside the ring");
+  const int ctid = threadIdx.x, wg = ctid / 128, warp = (ctid / 32) % 4, lane = ctid % 32, g = lane / 4, t = lane % 4;
+  const int jmax = (valid_rows + 7) / 8;  // n8 chunks with valid tokens
+  T* stg = reinterpret_cast<T*>(smem);    // (kTileRows, kStride)
+#pragma unroll
+  for (int b = 0; b < kB; ++b) {
+    const int mt = wg * 4 * kB + b * 4 + warp;
+#pragma unroll
+    for (int j = 0; j < kTileRows / 8; ++j) {
+      if (j >= jmax) break;
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int col = 8 * mt + g + (r >= 2 ? kBlockN / 2 : 0);  // CTA-local weight row
+        const int tok = 8 * j + 2 * t + (r & 1);
+        stg[tok * kStride + col] = value(tok, acc[b][4 * j + r]);
+      }
+    }
+  }
+  consumer_sync();
+  const int n0 = ntile * kBlockN;
+  const int cols = min(kBlockN, N - n0);  // a multiple of 16 (N % 16 == 0)
+  constexpr int kConsumerWarps = kConsumerThreads / 32;
+#pragma unroll 4
+  for (int tok = ctid / 32; tok < valid_rows; tok += kConsumerWarps) {
+    const T* src = stg + tok * kStride;                            // (kBlockN)
+    T* row = dst + static_cast<int64_t>(tok_entry[tok]) * N + n0;  // (cols)
+#pragma unroll
+    for (int i = 0; i < (kBlockN + kPerWarp - 1) / kPerWarp; ++i) {
+      const int c = kPerWarp * i + kPerLane * lane;
+      if (c < cols) *reinterpret_cast<uint4*>(row + c) = *reinterpret_cast<const uint4*>(src + c);
+    }
+  }
+}
+
 // The kernel itself is defined only where it is launched (expert_gemm.cu); other kernels include this
 // header for its helpers with FP4MOE_SM90GEMM_HELPERS_ONLY defined (one definition of the kernel).
 #if !defined(FP4MOE_SM90GEMM_HELPERS_ONLY)
@@ -918,80 +966,20 @@ __global__ void __launch_bounds__(kThreads, TileConfig<TileTokens>::kCtasPerSm)
   const int jmax = (valid_rows + 7) / 8;  // n8 chunks with valid tokens
   consumer_sync();  // every consumer is past its last wgmma: the ring is free; tok_entry is visible
 
-  if (p.epilogue == Epilogue::Gemm2 && p.out == nullptr) {
-    // y = alpha * acc staged as [token][kBlockN] fp32 in the (free) ring, then copied out a warp per
-    // token row: 16-byte loads and stores, 512 B per warp instruction, to y[entry][ntile * kBlockN ...].
-    // NOTE (not one bulk copy per token row): cp.async.bulk takes its addresses in uniform registers,
-    // so a copy per thread became a loop over the warp's lanes (3 R2UR + UBLKCP + BRA.U.ANY per token);
-    // its branch held 15% of GEMM2's warp samples (ncu, qwen3-30b-a3b T = 16384 w4a16, t256).
-    float* ystg = reinterpret_cast<float*>(smem);
-#pragma unroll
-    for (int b = 0; b < kB; ++b) {
-      const int mt = wg * 4 * kB + b * 4 + warp;
-#pragma unroll
-      for (int j = 0; j < kTileRows / 8; ++j) {
-        if (j >= jmax) break;
-#pragma unroll
-        for (int r = 0; r < 4; ++r) {
-          const int col = 8 * mt + g + (r >= 2 ? kBlockN / 2 : 0);  // CTA-local weight row
-          const int tok = 8 * j + 2 * t + (r & 1);
-          ystg[tok * C::kYStride + col] = epilogue_scale(alpha, acc[b][4 * j + r]);
-        }
-      }
-    }
-    consumer_sync();
-    const int n0 = ntile * kBlockN;
-    const int cols = min(kBlockN, p.N - n0);  // a multiple of 16 (N % 16 == 0)
-    constexpr int kConsumerWarps = kConsumerThreads / 32;
-#pragma unroll 4
-    for (int tok = ctid / 32; tok < valid_rows; tok += kConsumerWarps) {
-      const float* src = ystg + tok * C::kYStride;                     // (kBlockN) floats
-      float* dst = p.y + static_cast<int64_t>(tok_entry[tok]) * p.N + n0;  // (cols) floats
-#pragma unroll
-      for (int i = 0; i < kBlockN / 128; ++i) {
-        const int c = 128 * i + 4 * lane;
-        if (c < cols) *reinterpret_cast<float4*>(dst + c) = *reinterpret_cast<const float4*>(src + c);
-      }
-    }
+  if (p.epilogue == Epilogue::Gemm2 && p.out == nullptr) {  // y = alpha * acc, fp32
+    gemm2_stage_and_copy_rows<C, float, C::kYStride>(acc, smem, tok_entry, p.y, p.N, ntile, valid_rows,
+                                                     [&](int, float a) { return epilogue_scale(alpha, a); });
     return;
   }
   if (p.epilogue == Epilogue::Gemm2) {
-    // top-1 with the finalize fused: out = bf16(0 + w * y) (the finalize kernel's arithmetic), staged as
-    // [token][kBlockN] bf16 in the (free) ring, then copied out a warp per token row with 16-byte stores,
-    // as y above.
+    // top-1 with the finalize fused: out = bf16(0 + w * y) (the finalize kernel's arithmetic).
     // NOTE: stored straight from the registers (2-byte stores, 8 tokens x 16 B per warp instruction),
     // this epilogue took 10.8 of a 101 us CTA (llama4-scout T = 4096, t128; timeline) against 3.2 us
     // for the staged fp32 y of the other presets; staged, the GEMM2 stage is 3-6% shorter at T >= 2048.
-    __nv_bfloat16* ostg = reinterpret_cast<__nv_bfloat16*>(smem);
-#pragma unroll
-    for (int b = 0; b < kB; ++b) {
-      const int mt = wg * 4 * kB + b * 4 + warp;
-#pragma unroll
-      for (int j = 0; j < kTileRows / 8; ++j) {
-        if (j >= jmax) break;
-#pragma unroll
-        for (int r = 0; r < 4; ++r) {
-          const int col = 8 * mt + g + (r >= 2 ? kBlockN / 2 : 0);  // CTA-local weight row
-          const int tok = 8 * j + 2 * t + (r & 1);
-          const float y = epilogue_scale(alpha, acc[b][4 * j + r]);
-          ostg[tok * C::kOutStride + col] = __float2bfloat16_rn(__fadd_rn(0.0f, __fmul_rn(tok_weight[tok], y)));
-        }
-      }
-    }
-    consumer_sync();
-    const int n0 = ntile * kBlockN;
-    const int cols = min(kBlockN, p.N - n0);  // a multiple of 16 (N % 16 == 0)
-    constexpr int kConsumerWarps = kConsumerThreads / 32;
-#pragma unroll 4
-    for (int tok = ctid / 32; tok < valid_rows; tok += kConsumerWarps) {
-      const __nv_bfloat16* src = ostg + tok * C::kOutStride;                       // (kBlockN) bf16
-      __nv_bfloat16* dst = p.out + static_cast<int64_t>(tok_entry[tok]) * p.N + n0;  // (cols) bf16
-#pragma unroll
-      for (int i = 0; i < (kBlockN + 255) / 256; ++i) {
-        const int c = 256 * i + 8 * lane;
-        if (c < cols) *reinterpret_cast<uint4*>(dst + c) = *reinterpret_cast<const uint4*>(src + c);
-      }
-    }
+    gemm2_stage_and_copy_rows<C, __nv_bfloat16, C::kOutStride>(
+        acc, smem, tok_entry, p.out, p.N, ntile, valid_rows, [&](int tok, float a) {
+          return __float2bfloat16_rn(__fadd_rn(0.0f, __fmul_rn(tok_weight[tok], epilogue_scale(alpha, a))));
+        });
     return;
   }
 
