@@ -25,7 +25,8 @@
 //                   one wgmma group (m64nNk16, both blocks). The next stage's loads and word-0
 //                   decode overlap the stage's last groups; stages go in pairs, the wgmma stream
 //                   drains once per pair; a stage is released (`empty`) once its last group is done.
-//                   N (8..128) is the smallest wgmma width that covers the tile's valid token rows.
+//                   N (8, 16, 32, 48, 64, 96 or 128; 64, 128 or 256 with 256-token tiles) is the
+//                   smallest instantiated wgmma width that covers the tile's valid token rows (wgmma_width).
 //   epilogue        h = alpha[e] * (2^8 * acc) (fp32, see expert_gemm_layout.cuh for the 2^8), then
 //                     GEMM1: staged through shared memory as [row][token] fp32, then per (token, 16
 //                            columns; the activation kind a template parameter): activation, bf16
@@ -94,6 +95,10 @@ struct TileConfig {
   // of the tile (wgmma_width), so a tile with few valid rows does not pull a whole slab from L2.
   static constexpr int kActBoxRows = TileTokens / 4;  // 16 / 32 / 64
   static constexpr int kMinWidth = TileTokens == 256 ? 64 : 8;   // the narrowest wgmma instantiated
+  // Widths 48 and 96 (3/4 of 64 and 128) as well: a tile of 65..96 valid rows runs m64n96 instead of
+  // m64n128 (25% fewer tensor cycles per k16 step). Not for 256-token tiles, whose partial tiles are
+  // a few percent of their tiles.
+  static constexpr bool kThreeQuarterWidths = TileTokens <= 128;
   static constexpr int kActBytes = 2 * kSlabBytes;
   static constexpr int kWeightBytes = kSlots * fp4layout::kChunkBytes;
   static constexpr int kScaleBytes = kSlots * fp4layout::kChunkScaleBytes;
@@ -132,12 +137,16 @@ struct TileConfig {
 };
 
 // The wgmma width N of a tile with valid_rows token rows (1..kTileRows): the smallest of the few
-// instantiated widths (powers of two from kMinWidth) that covers them. The consumers' dispatch and
-// the producer's activation boxes both follow it: rows [0, N) of every slab are loaded.
+// instantiated widths that covers them: powers of two from kMinWidth, and with kThreeQuarterWidths
+// 48 and 96. The consumers' dispatch and the producer's activation boxes both follow it: rows [0, N)
+// of every slab are loaded (whole boxes: a 48-wide tile of 32-row boxes loads 64 rows).
+// NOTE (tokens per expert at T = 512..2048): the presets' experts get 32..128 rows there, about half of
+// them just above a power of two (65..96 of a 64-row mean), which wasted up to half the tensor cycles.
 template <class C>
 __host__ __device__ constexpr int wgmma_width(int valid_rows) {
   int n = C::kMinWidth;
   while (n < valid_rows && n < C::kTileRows) n *= 2;
+  if (C::kThreeQuarterWidths && (n == 64 || n == 128) && valid_rows <= 3 * n / 4) return 3 * n / 4;
   return n;
 }
 
@@ -353,6 +362,18 @@ __device__ __forceinline__ void wgmma_m64n32k16(float (&d)[ACC], const uint32_t 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
 }
 
+// D[64 x 48] += A[64 x 16] (registers) * B[16 x 48] (shared memory, K-major, 128B swizzle)
+template <int ACC>
+__device__ __forceinline__ void wgmma_m64n48k16(float (&d)[ACC], const uint32_t (&a)[4], uint64_t desc_b) {
+  static_assert(ACC >= 24, "m64n48 needs 24 accumulators per thread");
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %29, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n48k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23}, {%24, %25, %26, %27}, %28, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
+}
+
 // D[64 x 64] += A[64 x 16] (registers) * B[16 x 64] (shared memory, K-major, 128B swizzle)
 template <int ACC>
 __device__ __forceinline__ void wgmma_m64n64k16(float (&d)[ACC], const uint32_t (&a)[4], uint64_t desc_b) {
@@ -367,6 +388,18 @@ __device__ __forceinline__ void wgmma_m64n64k16(float (&d)[ACC], const uint32_t 
         "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
         "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
         "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
+}
+
+// D[64 x 96] += A[64 x 16] (registers) * B[16 x 96] (shared memory, K-major, 128B swizzle)
+template <int ACC>
+__device__ __forceinline__ void wgmma_m64n96k16(float (&d)[ACC], const uint32_t (&a)[4], uint64_t desc_b) {
+  static_assert(ACC >= 48, "m64n96 needs 48 accumulators per thread");
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %53, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n96k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47}, {%48, %49, %50, %51}, %52, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
 }
 
@@ -393,6 +426,18 @@ __device__ __forceinline__ void wgmma_m64n128k16(float (&d)[ACC], const uint32_t
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
 }
 
+// D[64 x 192] += A[64 x 16] (registers) * B[16 x 192] (shared memory, K-major, 128B swizzle)
+template <int ACC>
+__device__ __forceinline__ void wgmma_m64n192k16(float (&d)[ACC], const uint32_t (&a)[4], uint64_t desc_b) {
+  static_assert(ACC >= 96, "m64n192 needs 96 accumulators per thread");
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %101, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n192k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95}, {%96, %97, %98, %99}, %100, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
+}
+
 // D[64 x 256] += A[64 x 16] (registers) * B[16 x 256] (shared memory, K-major, 128B swizzle)
 template <int ACC>
 __device__ __forceinline__ void wgmma_m64n256k16(float (&d)[ACC], const uint32_t (&a)[4], uint64_t desc_b) {
@@ -411,9 +456,15 @@ __device__ __forceinline__ void wgmma_tile(float (&d)[ACC], const uint32_t (&a)[
   if constexpr (NT == 8) wgmma_m64n8k16(d, a, desc_b);
   else if constexpr (NT == 16) wgmma_m64n16k16(d, a, desc_b);
   else if constexpr (NT == 32) wgmma_m64n32k16(d, a, desc_b);
+  else if constexpr (NT == 48) wgmma_m64n48k16(d, a, desc_b);
   else if constexpr (NT == 64) wgmma_m64n64k16(d, a, desc_b);
+  else if constexpr (NT == 96) wgmma_m64n96k16(d, a, desc_b);
   else if constexpr (NT == 128) wgmma_m64n128k16(d, a, desc_b);
-  else wgmma_m64n256k16(d, a, desc_b);
+  else if constexpr (NT == 192) wgmma_m64n192k16(d, a, desc_b);
+  else {
+    static_assert(NT == 256, "instantiated wgmma widths: 8, 16, 32, 48, 64, 96, 128, 192, 256");
+    wgmma_m64n256k16(d, a, desc_b);
+  }
 }
 
 // ---- decode -------------------------------------------------------------------------------------------
@@ -948,12 +999,15 @@ __global__ void __launch_bounds__(kThreads, TileConfig<TileTokens>::kCtasPerSm)
     if (width == 8) consumer_mainloop<C, 8>(p, smem, bar_base, acc);
     else if (width == 16) consumer_mainloop<C, 16>(p, smem, bar_base, acc);
     else if (width == 32) consumer_mainloop<C, 32>(p, smem, bar_base, acc);
+    else if (width == 48) consumer_mainloop<C, 48>(p, smem, bar_base, acc);
     else consumer_mainloop<C, 64>(p, smem, bar_base, acc);
   } else if constexpr (TileTokens == 128) {
     if (width == 8) consumer_mainloop<C, 8>(p, smem, bar_base, acc);
     else if (width == 16) consumer_mainloop<C, 16>(p, smem, bar_base, acc);
     else if (width == 32) consumer_mainloop<C, 32>(p, smem, bar_base, acc);
+    else if (width == 48) consumer_mainloop<C, 48>(p, smem, bar_base, acc);
     else if (width == 64) consumer_mainloop<C, 64>(p, smem, bar_base, acc);
+    else if (width == 96) consumer_mainloop<C, 96>(p, smem, bar_base, acc);
     else consumer_mainloop<C, 128>(p, smem, bar_base, acc);
   } else {
     if (width == 64) consumer_mainloop<C, 64>(p, smem, bar_base, acc);

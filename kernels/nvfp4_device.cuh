@@ -218,6 +218,10 @@ __device__ __forceinline__ void finalize_add_slot8(float (&acc)[8], float w, con
 // a load and its use per slot, a thread waited for k L2 round trips in a row (SASS: each slot's loads
 // issued after the previous slot's adds), the whole time of a decode finalize. kInFlight x 8 registers
 // hold the loaded y: fewer where the caller's register budget is tight (GEMM2's fused finalize).
+// NOTE (bias in the second loop): nothing in the load loop may read a loaded y. The bias add once sat
+// there, as adds predicated on `bias != nullptr`; a predicated-off FADD still waits for its source
+// registers, so every slot's loads waited for the previous slot's (SASS: LDG, LDG, @P FADD x 8 per
+// slot) and the separate finalize ran 1.3-1.6x slower without any bias (docs/perf.md, 2026-12-05).
 template <int kInFlight>
 __device__ __forceinline__ void finalize_token8(float (&acc)[8], int k, int64_t entry0, const float* weights,
                                                 const int32_t* ids, int num_experts, const float* y,
@@ -225,6 +229,7 @@ __device__ __forceinline__ void finalize_token8(float (&acc)[8], int k, int64_t 
                                                 const float* bias = nullptr) {
   for (int j0 = 0; j0 < k; j0 += kInFlight) {
     float w[kInFlight];
+    int32_t e[kInFlight];
     bool bad[kInFlight];
     Slot8 v[kInFlight];
 #pragma unroll
@@ -232,23 +237,9 @@ __device__ __forceinline__ void finalize_token8(float (&acc)[8], int k, int64_t 
       if (j0 + s >= k) break;
       const int64_t entry = entry0 + j0 + s;
       w[s] = weights != nullptr ? weights[entry] : 1.0f;
-      bad[s] = false;
-      int32_t e = 0;
-      if (ids != nullptr) {
-        e = ids[entry];
-        bad[s] = e < 0 || e >= num_experts;
-      }
-      if (!bad[s]) {
-        v[s] = finalize_load_slot8(y + entry * y_row_stride);
-        if (bias != nullptr) {  // kernel-uniform (expert biases)
-          const float4* b = reinterpret_cast<const float4*>(bias + static_cast<int64_t>(e) * y_row_stride);
-          const float4 lo = __ldg(b), hi = __ldg(b + 1);
-          v[s].lo = make_float4(__fadd_rn(v[s].lo.x, lo.x), __fadd_rn(v[s].lo.y, lo.y), __fadd_rn(v[s].lo.z, lo.z),
-                                __fadd_rn(v[s].lo.w, lo.w));
-          v[s].hi = make_float4(__fadd_rn(v[s].hi.x, hi.x), __fadd_rn(v[s].hi.y, hi.y), __fadd_rn(v[s].hi.z, hi.z),
-                                __fadd_rn(v[s].hi.w, hi.w));
-        }
-      }
+      e[s] = ids != nullptr ? ids[entry] : 0;
+      bad[s] = ids != nullptr && (e[s] < 0 || e[s] >= num_experts);
+      if (!bad[s]) v[s] = finalize_load_slot8(y + entry * y_row_stride);
     }
 #pragma unroll
     for (int s = 0; s < kInFlight; ++s) {
@@ -258,9 +249,17 @@ __device__ __forceinline__ void finalize_token8(float (&acc)[8], int k, int64_t 
 #pragma unroll
           for (int q = 0; q < 8; ++q) acc[q] = __int_as_float(0x7fc00000);
         }
-      } else {
-        finalize_add_slot8(acc, w[s], v[s]);
+        continue;
       }
+      if (bias != nullptr) {  // kernel-uniform (expert biases)
+        const float4* b = reinterpret_cast<const float4*>(bias + static_cast<int64_t>(e[s]) * y_row_stride);
+        const float4 lo = __ldg(b), hi = __ldg(b + 1);
+        v[s].lo = make_float4(__fadd_rn(v[s].lo.x, lo.x), __fadd_rn(v[s].lo.y, lo.y), __fadd_rn(v[s].lo.z, lo.z),
+                              __fadd_rn(v[s].lo.w, lo.w));
+        v[s].hi = make_float4(__fadd_rn(v[s].hi.x, hi.x), __fadd_rn(v[s].hi.y, hi.y), __fadd_rn(v[s].hi.z, hi.z),
+                              __fadd_rn(v[s].hi.w, hi.w));
+      }
+      finalize_add_slot8(acc, w[s], v[s]);
     }
   }
 }
