@@ -25,8 +25,9 @@
 //                   one wgmma group (m64nNk16, both blocks). The next stage's loads and word-0
 //                   decode overlap the stage's last groups; stages go in pairs, the wgmma stream
 //                   drains once per pair; a stage is released (`empty`) once its last group is done.
-//                   N (8, 16, 32, 48, 64, 96 or 128; 64, 128 or 256 with 256-token tiles) is the
-//                   smallest instantiated wgmma width that covers the tile's valid token rows (wgmma_width).
+//                   N (8, 16, 32, 48, 64, 96 or 128; powers of two with 64- and 256-token tiles) is
+//                   the smallest instantiated wgmma width that covers the tile's valid token rows
+//                   (wgmma_width).
 //   epilogue        h = alpha[e] * (2^8 * acc) (fp32, see expert_gemm_layout.cuh for the 2^8), then
 //                     GEMM1: staged through shared memory as [row][token] fp32, then per (token, 16
 //                            columns; the activation kind a template parameter): activation, bf16
@@ -95,10 +96,12 @@ struct TileConfig {
   // of the tile (wgmma_width), so a tile with few valid rows does not pull a whole slab from L2.
   static constexpr int kActBoxRows = TileTokens / 4;  // 16 / 32 / 64
   static constexpr int kMinWidth = TileTokens == 256 ? 64 : 8;   // the narrowest wgmma instantiated
-  // Widths 48 and 96 (3/4 of 64 and 128) as well: a tile of 65..96 valid rows runs m64n96 instead of
-  // m64n128 (25% fewer tensor cycles per k16 step). Not for 256-token tiles, whose partial tiles are
-  // a few percent of their tiles.
-  static constexpr bool kThreeQuarterWidths = TileTokens <= 128;
+  // Widths 48 and 96 (3/4 of 64 and 128) as well, for 128-token tiles: a tile of 65..96 valid rows
+  // runs m64n96 instead of m64n128 (25% fewer tensor cycles per k16 step). Not for 256-token tiles,
+  // whose partial tiles are a few percent of their tiles, nor for 64-token tiles: there width 48
+  // made GEMM2 3-12% slower (llama4-scout T = 512; three 16-row activation boxes per slab instead of
+  // one 64-row copy, or the narrower wgmma at two CTAs per SM: not separated; docs/perf.md, 2026-12-05).
+  static constexpr bool kThreeQuarterWidths = TileTokens == 128;
   static constexpr int kActBytes = 2 * kSlabBytes;
   static constexpr int kWeightBytes = kSlots * fp4layout::kChunkBytes;
   static constexpr int kScaleBytes = kSlots * fp4layout::kChunkScaleBytes;
@@ -999,7 +1002,6 @@ __global__ void __launch_bounds__(kThreads, TileConfig<TileTokens>::kCtasPerSm)
     if (width == 8) consumer_mainloop<C, 8>(p, smem, bar_base, acc);
     else if (width == 16) consumer_mainloop<C, 16>(p, smem, bar_base, acc);
     else if (width == 32) consumer_mainloop<C, 32>(p, smem, bar_base, acc);
-    else if (width == 48) consumer_mainloop<C, 48>(p, smem, bar_base, acc);
     else consumer_mainloop<C, 64>(p, smem, bar_base, acc);
   } else if constexpr (TileTokens == 128) {
     if (width == 8) consumer_mainloop<C, 8>(p, smem, bar_base, acc);

@@ -628,7 +628,7 @@ ActivationParams act_of(Activation k) {
 }
 
 // Rows per expert: every wgmma width at both ends (1..8, 9..16, 17..32, 33..48, 49..64, 65..96,
-// 97..128; the 256-token tiles 64, 128, 256), multi-tile experts and an empty one.
+// 97..128 with 128-token tiles; powers of two with the others), multi-tile experts and an empty one.
 const std::vector<int64_t> kRagged16 = {0, 1, 9, 17, 33, 48, 49, 63, 64, 65, 96, 97, 128, 129, 4097, 200};
 
 TEST(ExpertGemmKernel, Gemm1TinySwiglu) {
