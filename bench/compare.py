@@ -4,7 +4,10 @@
 For every (model, mode, T) present in both files: the base and other median layer times, their ratio
 (other / base: below 1 is faster), both tactics, and with --stages the ratio of every stage time.
 Then a summary: rows faster / slower by more than --noise (default 2%), the geometric-mean ratio and
-the summed times. Rows present in only one file are listed and not compared.
+the summed times; with --stages also each stage's geometric-mean ratio over the rows, marked "!" where
+it lies outside the noise (a stage that moved on every row, while the layer times hide it in the
+board's noise: the separate finalize's 1.55x of the d5cad21 tables). Rows present in only one file are
+listed and not compared.
 
   bench/compare.py BASE_JSON OTHER_JSON [--stages] [--noise PCT]
 
@@ -44,6 +47,7 @@ def main(argv):
     print(f"{'model':18s} {'mode':12s} {'T':>6s} {'base us':>10s} {'other us':>10s} {'ratio':>6s}  tactic base -> other")
     faster = slower = 0
     log_sum = 0.0
+    stage_logs = {}  # stage -> [log(other / base)] over the rows that have it in both files
     tot_b = tot_o = 0.0
     for k in common:
         rb, ro = base[k], other[k]
@@ -59,8 +63,10 @@ def main(argv):
         line = f"{k[0]:18s} {k[1]:12s} {k[2]:6d} {rb['median_us']:10.1f} {ro['median_us']:10.1f} {ratio:6.3f}  {tactic}"
         if a.stages:
             sb, so = rb.get("stages_us", {}), ro.get("stages_us", {})
-            parts = [f"{s} {so[s] / sb[s]:.2f}" for s in sb if s in so and sb[s] > 0]
-            line += "   stages: " + ", ".join(parts)
+            stages = [s for s in sb if s in so and sb[s] > 0 and so[s] > 0]
+            for s in stages:
+                stage_logs.setdefault(s, []).append(math.log(so[s] / sb[s]))
+            line += "   stages: " + ", ".join(f"{s} {so[s] / sb[s]:.2f}" for s in stages)
         print(line)
     for name, only in (("base", [k for k in base if k not in other]), ("other", [k for k in other if k not in base])):
         for k in only:
@@ -69,6 +75,13 @@ def main(argv):
         n = len(common)
         print(f"{n} rows: {faster} faster, {slower} slower, {n - faster - slower} within {a.noise:g}%; "
               f"geomean ratio {math.exp(log_sum / n):.3f}; sum {tot_b:.1f} -> {tot_o:.1f} us")
+    if stage_logs:
+        parts = []
+        for s, logs in stage_logs.items():
+            g = math.exp(sum(logs) / len(logs))
+            mark = "!" if abs(g - 1) > a.noise / 100 else ""
+            parts.append(f"{s} {g:.3f}{mark}")
+        print(f"stage geomean ratios ('!': beyond {a.noise:g}%): " + ", ".join(parts))
     return 0
 
 
