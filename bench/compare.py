@@ -6,8 +6,8 @@ For every (model, mode, T) present in both files: the base and other median laye
 Then a summary: rows faster / slower by more than --noise (default 2%), the geometric-mean ratio and
 the summed times; with --stages also each stage's geometric-mean ratio over the rows, marked "!" where
 it lies outside the noise (a stage that moved on every row, while the layer times hide it in the
-board's noise: the separate finalize's 1.381 over the w4a16 rows of the d5cad21 table against 2d397f7's). Rows present in only one file are
-listed and not compared.
+board's noise: the separate finalize's 1.381 over the w4a16 rows of the d5cad21 table against
+2d397f7's). Rows present in only one file are listed and not compared.
 
   bench/compare.py BASE_JSON OTHER_JSON [--stages] [--noise PCT]
 
