@@ -2,7 +2,8 @@
 # scripts/bench-ab --prebuilt --rebase on stand-in binaries, no GPU: each stand-in is a shell script
 # that answers `bench ... --json FILE` with a committed bench table whose times it scales (1.0 for the
 # base, 1.5 for a variant). The summary must name the variant at geomean 1.500 and the second base run
-# (--rebase) at 1.000, each with its rows line and its stage geomeans.
+# (--rebase) at 1.000, each with its rows line and its stage geomeans; bench/ab_table.py makes the
+# run one Markdown table.
 #
 #   tests/tools/bench_ab_prebuilt_test.sh REPO_ROOT WORK_DIR
 set -euo pipefail
@@ -40,4 +41,11 @@ expect '^slower vs base, w4a16: [0-9]+ rows: .*geomean ratio 1\.500'
 expect '^base-again vs base, w4a16: [0-9]+ rows: .*geomean ratio 1\.000'
 expect '^  stage geomean ratios .*gemm1 1\.500!'
 [ "$(grep -c '^== bench ' "$summary")" = 3 ] || { echo "FAIL: three bench runs expected (base, slower, base-again)"; fail=1; }
+# bench/ab_table.py: the run as one Markdown table, the variants in the run's order.
+python3 "$root/bench/ab_table.py" "$work/out" >"$work/table.md" || { echo "FAIL: ab_table.py"; fail=1; }
+cat "$work/table.md"
+grep -q '^| preset | T | base | slower | base-again |$' "$work/table.md" || { echo "FAIL: table header"; fail=1; }
+grep -qE '^\| qwen3-30b-a3b \| 4096 \| [0-9.]+ \| [0-9.]+ \(1\.500\) \[g1 1\.50 g2 1\.50\] \| [0-9.]+ \(1\.000\)' "$work/table.md" ||
+  { echo "FAIL: qwen3-30b-a3b T = 4096 row"; fail=1; }
+grep -q '^| geomean | | | \*\*1\.500\*\* | \*\*1\.000\*\* |$' "$work/table.md" || { echo "FAIL: geomean row"; fail=1; }
 exit $fail
