@@ -57,7 +57,9 @@
 
 #include "fp4moe/problem.hpp"
 #include "kernels/dependent_launch.cuh"
+#include "kernels/div_rn.cuh"
 #include "kernels/expert_gemm_layout.cuh"
+#include "kernels/expert_gemm_staging.cuh"
 #include "kernels/nvfp4_device.cuh"
 
 namespace fp4moe::kernels::sm90gemm {
@@ -106,7 +108,9 @@ struct TileConfig {
   static constexpr int kWeightBytes = kSlots * fp4layout::kChunkBytes;
   static constexpr int kScaleBytes = kSlots * fp4layout::kChunkScaleBytes;
   static constexpr int kStageBytes = kActBytes + kWeightBytes + kScaleBytes;  // 25 / 50 / 73 KiB, one expect_tx
-  static constexpr int kStagingStride = kTileRows + 8;  // floats per staging row (float2 stores conflict-free)
+  // GEMM1 staging [row][token] fp32 (kernels/expert_gemm_staging.cuh: row r starts at
+  // r * kStagingStride + staging::row_shift(r)).
+  static constexpr int kStagingStride = staging::stride(kTileRows);  // 104 / 168 / 296 floats
   static constexpr int kYStride = kBlockN + 4;          // GEMM2 y staging [token][kBlockN] (floats per row)
   static constexpr int kOutStride = kBlockN + 8;        // GEMM2 top-1 out staging [token][kBlockN] (bf16 per row)
   static constexpr int kBarrierOffset = kStages * kStageBytes;
@@ -755,10 +759,18 @@ __device__ __forceinline__ float activation_denominator(const ActivationParams& 
     return 1.0f;  // unused
   }
 }
+// The kinds that divide by the denominator: numerator / den is their one IEEE division.
 template <Activation K>
-__device__ __forceinline__ float activation(const ActivationParams& a, float g, float u, float den) {
+inline constexpr bool kActivationDivides = K == Activation::SwiGLU || K == Activation::SwiGLUOai;
+template <Activation K>
+__device__ __forceinline__ float activation_numerator(float g) {
+  return K == Activation::SwiGLU ? g : 1.0f;  // silu(g) = g / den; sigmoid = 1 / den
+}
+// The activation given quot = activation_numerator(g) / den (IEEE) for the dividing kinds.
+template <Activation K>
+__device__ __forceinline__ float activation_from_quotient(const ActivationParams& a, float g, float u, float quot) {
   if constexpr (K == Activation::SwiGLU) {
-    return __fmul_rn(__fdiv_rn(g, den), u);
+    return __fmul_rn(quot, u);
   } else if constexpr (K == Activation::GeGLU) {
     const float gelu = __fmul_rn(__fmul_rn(0.5f, g), __fadd_rn(1.0f, erff(__fmul_rn(g, 0.70710678118654752f))));
     return __fmul_rn(gelu, u);
@@ -766,12 +778,16 @@ __device__ __forceinline__ float activation(const ActivationParams& a, float g, 
     const float L = a.swiglu_limit;
     const float gc = g > L ? L : g;                     // min(g, L), NaN stays NaN
     const float uc = u > L ? L : (u < -L ? -L : u);     // clamp(u, -L, L), NaN stays NaN
-    const float sig = __fdiv_rn(1.0f, den);
-    return __fmul_rn(__fmul_rn(gc, sig), __fadd_rn(uc, a.swiglu_beta));
+    return __fmul_rn(__fmul_rn(gc, quot), __fadd_rn(uc, a.swiglu_beta));
   } else {  // Relu2
     const float r = g < 0.0f ? 0.0f : g;  // max(h, 0), NaN stays NaN
     return __fmul_rn(r, r);
   }
+}
+template <Activation K>
+__device__ __forceinline__ float activation(const ActivationParams& a, float g, float u, float den) {
+  const float quot = kActivationDivides<K> ? __fdiv_rn(activation_numerator<K>(g), den) : 0.0f;
+  return activation_from_quotient<K>(a, g, u, quot);
 }
 __device__ __forceinline__ float epilogue_scale(float alpha, float acc) {
   return __fmul_rn(alpha, __fmul_rn(acc, fp4layout::kAccumulatorScale));  // the 2^8 is exact
@@ -784,13 +800,20 @@ using nvfp4::pack_bf16x2;  // RNE each
 // kStride (floats per staging row), kUpRow (kBlockN / 2) and kNumThreads (threads 0..kNumThreads-1
 // share the items) describe the wgmma kernel's staging tile; the streaming kernel spreads the same
 // arithmetic over (token, 2 columns) pairs instead (sm90stream::gemm1_pairs).
+// Items in the order of staging::item: a warp covers 8 tokens x 4 blocks of 16 columns, so each of its
+// 16-byte stores writes 8 token rows (4 x 16 B in each) instead of 32.
+// NOTE: with lanes along 32 tokens, every store instruction touched 32 lines (one per token row).
 template <Activation K, int kStride, int kUpRow, int kNumThreads>
 __device__ __forceinline__ void gemm1_items(const Params& p, const float* stg, const float* bias, int64_t out_base,
-                                            int items, int valid_rows, float gs, float inv_gs) {
+                                            int blocks, int valid_rows, float gs, float inv_gs) {
   constexpr bool kGated = K != Activation::Relu2;
+  static_assert(kUpRow % 64 == 0, "up rows keep the staging shift of their gate rows");
+  const int items = staging::item_count(valid_rows, blocks);
   for (int item = threadIdx.x; item < items; item += kNumThreads) {
-    const int tok = item % valid_rows, blk = item / valid_rows;
-    const uint32_t src = smem_addr(stg + (blk * 16) * kStride + tok);
+    const staging::Item it = staging::item(item, blocks);
+    const int tok = it.token, blk = it.block;
+    if (tok >= valid_rows) continue;
+    const uint32_t src = smem_addr(stg + (blk * 16) * kStride + tok + staging::row_shift(blk * 16));
     float h[16], u[16], x[16];
     // NOTE: volatile loads, all issued before any math: plain loads were sunk next to each element's
     // use, between the division slow-path branches, and paid the load latency 16 times.
@@ -806,11 +829,26 @@ __device__ __forceinline__ void gemm1_items(const Params& p, const float* stg, c
         if (kGated) u[i] = __fadd_rn(u[i], bias[p.out_cols + blk * 16 + i]);
       }
     }
-    float den[16];
+    float den[16], quot[16];
 #pragma unroll
     for (int i = 0; i < 16; ++i) den[i] = activation_denominator<K>(p.act, h[i]);
+    if constexpr (kActivationDivides<K>) {
+      // NOTE: the 16 divisions by the branch-free fast path, then one branch for the item: as
+      // __fdiv_rn each was a region of its own with a slow-path call, and the 16 ran one after another.
+      bool fast = true;
 #pragma unroll
-    for (int i = 0; i < 16; ++i) x[i] = activation<K>(p.act, h[i], u[i], den[i]);
+      for (int i = 0; i < 16; ++i) {
+        const float num = activation_numerator<K>(h[i]);
+        quot[i] = divrn::fast(num, den[i]);
+        fast &= divrn::fast_ok(num, den[i]);
+      }
+      if (!fast) {
+#pragma unroll
+        for (int i = 0; i < 16; ++i) quot[i] = __fdiv_rn(activation_numerator<K>(h[i]), den[i]);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < 16; ++i) x[i] = activation_from_quotient<K>(p.act, h[i], u[i], quot[i]);
     if (p.quantize) nvfp4::fake_quantize_block16(x, gs, inv_gs);  // q*sf, exact in bf16
     uint4 lo, hi;
     lo.x = pack_bf16x2(x[0], x[1]);
@@ -863,8 +901,7 @@ struct Gemm1Items {
   template <Activation K>
   __device__ __forceinline__ static void run(const Params& p, const float* stg, const float* bias, int64_t out_base,
                                              int cols, int valid_rows, float gs, float inv_gs) {
-    gemm1_items<K, kStride, kUpRow, kNumThreads>(p, stg, bias, out_base, (cols / 16) * valid_rows, valid_rows, gs,
-                                                 inv_gs);
+    gemm1_items<K, kStride, kUpRow, kNumThreads>(p, stg, bias, out_base, cols / 16, valid_rows, gs, inv_gs);
   }
 };
 
@@ -904,14 +941,30 @@ __device__ __forceinline__ void gemm2_stage_and_copy_rows(const float (&acc)[C::
   const int n0 = ntile * kBlockN;
   const int cols = min(kBlockN, N - n0);  // a multiple of 16 (N % 16 == 0)
   constexpr int kConsumerWarps = kConsumerThreads / 32;
-#pragma unroll 4
-  for (int tok = ctid / 32; tok < valid_rows; tok += kConsumerWarps) {
-    const T* src = stg + tok * kStride;                            // (kBlockN)
-    T* row = dst + static_cast<int64_t>(tok_entry[tok]) * N + n0;  // (cols)
+  constexpr int kRowsInFlight = 4;  // token rows per warp between a warp's loads and its stores
+  // NOTE: the rows' entries and staged values are loaded for kRowsInFlight rows before their stores,
+  // each into registers of its own. As one guarded copy per row (a BSSY region each, SASS), every row's
+  // staging load reused the registers of the previous row's 16-byte store and waited until that store
+  // had read them: one store in flight per warp (maybe the long-scoreboard stalls that ncu showed in
+  // the copy-out, docs/perf.md twenty-seventh session, read there as the stores' acceptance rate).
 #pragma unroll
-    for (int i = 0; i < (kBlockN + kPerWarp - 1) / kPerWarp; ++i) {
-      const int c = kPerWarp * i + kPerLane * lane;
-      if (c < cols) *reinterpret_cast<uint4*>(row + c) = *reinterpret_cast<const uint4*>(src + c);
+  for (int i = 0; i < (kBlockN + kPerWarp - 1) / kPerWarp; ++i) {
+    const int c = kPerWarp * i + kPerLane * lane;
+    if (c >= cols) continue;  // the lane's column: the same for all its rows
+    const uint32_t src = smem_addr(stg + c);
+    for (int tok0 = ctid / 32; tok0 < valid_rows; tok0 += kRowsInFlight * kConsumerWarps) {
+      int32_t entry[kRowsInFlight];
+      uint4 v[kRowsInFlight];
+#pragma unroll
+      for (int u = 0; u < kRowsInFlight; ++u) {
+        const int tok = min(tok0 + u * kConsumerWarps, valid_rows - 1);  // rows past the tile: a copy of the last
+        entry[u] = tok_entry[tok];
+        v[u] = lds128(src + static_cast<uint32_t>(tok * kStride * sizeof(T)));
+      }
+#pragma unroll
+      for (int u = 0; u < kRowsInFlight; ++u)
+        if (tok0 + u * kConsumerWarps < valid_rows)
+          *reinterpret_cast<uint4*>(dst + static_cast<int64_t>(entry[u]) * N + n0 + c) = v[u];
     }
   }
 }
@@ -1040,9 +1093,9 @@ __global__ void __launch_bounds__(kThreads, TileConfig<TileTokens>::kCtasPerSm)
     for (int j = 0; j < kTileRows / 8; ++j) {
       if (j >= jmax) break;
       const int tok = 8 * j + 2 * t;
-      *reinterpret_cast<float2*>(stg + row_g * kStagingStride + tok) =
+      *reinterpret_cast<float2*>(stg + row_g * kStagingStride + staging::row_shift(row_g) + tok) =
           make_float2(epilogue_scale(alpha, acc[b][4 * j + 0]), epilogue_scale(alpha, acc[b][4 * j + 1]));
-      *reinterpret_cast<float2*>(stg + row_g8 * kStagingStride + tok) =
+      *reinterpret_cast<float2*>(stg + row_g8 * kStagingStride + staging::row_shift(row_g8) + tok) =
           make_float2(epilogue_scale(alpha, acc[b][4 * j + 2]), epilogue_scale(alpha, acc[b][4 * j + 3]));
     }
   }

@@ -3,7 +3,8 @@
 //
 //   codecs:   e4m3 / e2m1 encode of every rounding boundary (+-1 ulp), a dense sweep and random bit
 //             patterns (NaN, inf, subnormals); decode of all 256 / 16 codes; the branch-free e2m1
-//             rounding (e2m1_round_value) against encode + decode for every float bit pattern.
+//             rounding (e2m1_round_value) against encode + decode for every float bit pattern; the
+//             branch-free division (kernels/div_rn.cuh) against __fdiv_rn.
 //   quantize: H in {16, 64, 2880, 7168} x rows in {1, 127, 128, 129, 300}, linear and swizzled scales
 //             (padding must be zero), blocks of all zeros, saturating blocks, tiny blocks, NaN / inf.
 //   gather:   w4a16, w4a4 scalar and per-expert, with and without scale_by_weight, against the q*sf
@@ -23,6 +24,7 @@
 
 #include "fp4moe/format.hpp"
 #include "kernels/gpu_test_util.hpp"
+#include "kernels/div_rn.cuh"
 #include "kernels/launch.hpp"
 #include "kernels/nvfp4_device.cuh"
 
@@ -67,6 +69,64 @@ __global__ void round_value_every_float_kernel(unsigned long long* mismatches, u
 
 bool same_float(float a, float b) {
   return (std::isnan(a) && std::isnan(b)) || test::float_bits(a) == test::float_bits(b);
+}
+
+// ---- the branch-free division (kernels/div_rn.cuh) against __fdiv_rn --------------------------------
+// Counts of the pairs that divrn::fast_ok accepted and of those whose divrn::fast differs from
+// __fdiv_rn in any bit, and the first such pair.
+struct DivCheck {
+  unsigned long long checked, mismatches;
+  uint32_t first_a, first_b;
+};
+
+__device__ __forceinline__ void div_check_pair(float a, float b, DivCheck* out, unsigned long long& checked) {
+  if (!kernels::divrn::fast_ok(a, b)) return;
+  ++checked;
+  if (__float_as_uint(kernels::divrn::fast(a, b)) != __float_as_uint(__fdiv_rn(a, b))) {
+    if (atomicAdd(&out->mismatches, 1ull) == 0) {
+      out->first_a = __float_as_uint(a);
+      out->first_b = __float_as_uint(b);
+    }
+  }
+}
+
+__device__ __forceinline__ uint64_t splitmix64(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
+// A float of the fast path's range: sign, exponent in [-62, 61] and mantissa from the bits of r.
+__device__ __forceinline__ float in_range_float(uint64_t r) {
+  const uint32_t exp = static_cast<uint32_t>((r >> 24) % 124) + 127 - 62;
+  return __uint_as_float(static_cast<uint32_t>(r >> 63) << 31 | exp << 23 | static_cast<uint32_t>(r & 0x7FFFFFu));
+}
+
+// Part 1: every fp32 bit pattern as the numerator, with each divisor of `divisors`.
+// Part 2: every divisor mantissa in [1, 2) at a few exponents (both signs), with each numerator of
+//         `numerators`.
+// Part 3: `random_pairs` pairs drawn over the whole range.
+__global__ void div_rn_check_kernel(const float* divisors, int num_divisors, const float* numerators,
+                                    int num_numerators, uint64_t random_pairs, DivCheck* out) {
+  const uint64_t stride = static_cast<uint64_t>(gridDim.x) * blockDim.x;
+  const uint64_t tid = static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  unsigned long long checked = 0;
+  for (uint64_t u = tid; u <= 0xFFFFFFFFull; u += stride) {
+    const float a = __uint_as_float(static_cast<uint32_t>(u));
+    for (int d = 0; d < num_divisors; ++d) div_check_pair(a, divisors[d], out, checked);
+  }
+  constexpr int kExps[] = {-62, -20, 0, 23, 61};
+  for (uint64_t m = tid; m < (5ull << 23); m += stride) {
+    const uint32_t e = static_cast<uint32_t>(kExps[m >> 23] + 127);
+    const float b = __uint_as_float(static_cast<uint32_t>(m & 1) << 31 | e << 23 | static_cast<uint32_t>(m & 0x7FFFFF));
+    for (int n = 0; n < num_numerators; ++n) div_check_pair(numerators[n], b, out, checked);
+  }
+  for (uint64_t i = tid; i < random_pairs; i += stride) {
+    const uint64_t r = splitmix64(i);
+    div_check_pair(in_range_float(r), in_range_float(splitmix64(r)), out, checked);
+  }
+  atomicAdd(&out->checked, checked);
 }
 
 TEST(Nvfp4Device, DecodeEveryCode) {
@@ -236,6 +296,33 @@ TEST(Nvfp4Device, RoundValueMatchesEncodeDecodeForEveryFloat) {
   CUDA_ASSERT(cudaGetLastError());
   CUDA_ASSERT(cudaDeviceSynchronize());
   EXPECT_EQ(mismatches.download()[0], 0ull) << "first mismatch at bits 0x" << std::hex << first.download()[0];
+}
+
+TEST(Nvfp4Device, DivRnFastPathMatchesIeee) {
+  FP4MOE_REQUIRE_SM90();
+  // 1 - 2^-24: the steps round 1 / b wrong with a reciprocal one ulp low (DivRn.NeedsTheHardwareReciprocal).
+  const std::vector<float> divisors = {1.0f,          0x1.fffffep-1f, 0x1.000002p0f, 1.5f,     3.0f,
+                                       0x1.5bf0a8p1f, 7.0f,           1000.0f,       -5.0f,    0x1.fffffep0f,
+                                       0x1.234568p20f, -0x1.8p-40f,   0x1p-62f,      0x1p62f, 0x1.fffffep61f};
+  std::vector<float> numerators = {1.0f,  0x1.fffffep0f, 0x1.000002p0f, 1.5f,          3.0f,    -7.5f,
+                                   1e-10f, 0x1.555556p-2f, 0x1p-62f,    0x1.fffffep61f, 1e15f,  -0x1.921fb6p1f};
+  std::mt19937_64 rng(5);
+  std::uniform_real_distribution<float> g(-30.0f, 30.0f);
+  while (numerators.size() < 48) numerators.push_back(g(rng));
+  DeviceBuffer<float> dd(divisors), dn(numerators);
+  DeviceBuffer<DivCheck> out(1);
+  ASSERT_TRUE(dd.ok() && dn.ok() && out.ok());
+  CUDA_ASSERT(cudaMemset(out.get(), 0, sizeof(DivCheck)));
+  const uint64_t random_pairs = 1ull << 30;
+  div_rn_check_kernel<<<1056, 256>>>(dd.get(), static_cast<int>(divisors.size()), dn.get(),
+                                     static_cast<int>(numerators.size()), random_pairs, out.get());
+  CUDA_ASSERT(cudaGetLastError());
+  CUDA_ASSERT(cudaDeviceSynchronize());
+  const DivCheck c = out.download()[0];
+  // Part 1 accepts 124 exponents of each sign for every divisor (2 x 124 x 2^23 numerators each).
+  const unsigned long long part1 = divisors.size() * 2ull * 124 * (1ull << 23);
+  EXPECT_GE(c.checked, part1 + random_pairs);
+  EXPECT_EQ(c.mismatches, 0ull) << std::hex << "first mismatch: a 0x" << c.first_a << " b 0x" << c.first_b;
 }
 
 TEST(QuantizeKernel, MatchesFormatBothLayouts) {

@@ -388,13 +388,25 @@ TEST(RouteKernel, DeepSeekV3EveryShape) {
 TEST(RouteKernel, QuantizesTokenRowsForTheGatheringGemm) {
   FP4MOE_REQUIRE_SM90();
   uint64_t seed = 900;
-  for (int T : {1, 5, 33}) {  // the warp-per-token kernel (several tokens per CTA) and the CTA kernel
+  for (int T : {1, 5, 33, 1000}) {  // the warp-per-token kernel (several tokens per CTA) and the CTA kernel
     RouteCase c = renormalize_128_case(T, ++seed);
     c.quant_hidden = 2048 + 16;  // 129 blocks: a ragged last pass over the lanes
     run_case(c);
     RouteCase d = deepseek_r1_case(T, ++seed);
     d.quant_hidden = 7168;
     run_case(d);
+  }
+  // Routing blocks outnumbering the quantizing ones (route_block_role's period 1, the quantizing
+  // blocks last) and a period that does not divide the grid.
+  for (int T : {255, 1000}) {
+    for (int H : {16, 48}) {
+      RouteCase c = renormalize_128_case(T, ++seed);
+      c.quant_hidden = H;
+      run_case(c);
+      RouteCase d = deepseek_r1_case(T, ++seed);
+      d.quant_hidden = H;
+      run_case(d);
+    }
   }
 }
 
