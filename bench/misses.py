@@ -24,7 +24,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from targets import classify  # noqa: E402  (the targets' one definition)
+from targets import DECODE_RATIO, DECODE_SLACK_US, classify  # noqa: E402  (the targets' one definition)
 
 # Presets with a gated activation (GEMM1 has 2I rows): FLOPs split 2/3 : 1/3 between the GEMMs.
 GATED = {"deepseek-r1", "qwen3-30b-a3b", "qwen3-235b-a22b", "llama4-scout", "gpt-oss-120b", "kimi-k2",
@@ -46,7 +46,7 @@ def clock(row):
     return f"{c['sm_mhz']:.0f} ({100 * c.get('power_capped_fraction', 0.0):.0f}%)"
 
 
-def prefill_line(row, figure, target):
+def prefill_line(row, target):
     st = row.get("stages_us", {})
     total = sum(st.values()) or 1.0
     fin = st.get("finalize", 0.0)
@@ -83,11 +83,11 @@ def main(argv):
             c = classify(r)
             if c is None or c[3]:
                 continue
-            kind, figure, target, _ = c
+            kind, _, target, _ = c
             if kind == "decode":
-                decode.append(decode_line(r, 1.15 * r["floor_us"] + 8.0, copy_tbps))
+                decode.append(decode_line(r, DECODE_RATIO * r["floor_us"] + DECODE_SLACK_US, copy_tbps))
             else:
-                prefill.append(prefill_line(r, figure, target))
+                prefill.append(prefill_line(r, target))
     if prefill:
         print(f"Prefill rows that miss ({len(prefill)}):\n")
         print("| preset | mode | T | TFLOP/s | x floor | target | GEMM1 TF | GEMM2 TF | finalize % | SM MHz (capped) | tactic |")
