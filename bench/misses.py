@@ -8,6 +8,9 @@ Markdown table per target with the measured figures that say where each row's ti
   decode rows (T <= 256): median, target, median / target, the GEMM stages against the weight bytes
     (TB/s, and the copy ceiling of the same run), the other stages (route, quantize, permute,
     finalize) in us, the tactic.
+  Each row's "why": the causes of docs/perf.md's misses that apply to it, each with the row's figure
+    (GEMM rate against the bf16 ceiling, token rows per expert, the finalize's share, the capped clock,
+    K = 768; decode: the GEMMs' time over the weights' copy time, the other stages, the T regime).
 
 Stage times come from the bench's separate event-timed run, so their sum can exceed the layer's
 median (dependent launches overlap); a stage with no kernel of its own in that row (quantize in w4a16,
@@ -30,6 +33,9 @@ from targets import DECODE_RATIO, DECODE_SLACK_US, classify  # noqa: E402  (the 
 GATED = {"deepseek-r1", "qwen3-30b-a3b", "qwen3-235b-a22b", "llama4-scout", "gpt-oss-120b", "kimi-k2",
          "glm-4.6", "qwen3-next-80b-a3b"}
 OTHER_STAGES = ("route", "quantize", "permute", "finalize")
+# Routed experts per token of the presets (format/presets.cpp): token rows per hit expert = T * k / hit.
+TOP_K = {"deepseek-r1": 8, "qwen3-30b-a3b": 8, "qwen3-235b-a22b": 8, "llama4-scout": 1, "gpt-oss-120b": 4,
+         "kimi-k2": 8, "glm-4.6": 8, "qwen3-next-80b-a3b": 10}
 
 
 def gemm_tflops(row, stage, share):
@@ -46,23 +52,64 @@ def clock(row):
     return f"{c['sm_mhz']:.0f} ({100 * c.get('power_capped_fraction', 0.0):.0f}%)"
 
 
-def prefill_line(row, target):
+def prefill_why(row, bf16_tflops):
+    """The causes the perf log measured (docs/perf.md, "What is next"), each with this row's figure."""
+    why = []
+    st = row.get("stages_us", {})
+    g1, g2 = gemm_tflops(row, "gemm1", 2 / 3), gemm_tflops(row, "gemm2", 1 / 3)
+    if g1 != "-" and bf16_tflops:
+        lo, hi = sorted((float(g1), float(g2)))
+        why.append(f"GEMMs at {100 * lo / bf16_tflops:.0f}-{100 * hi / bf16_tflops:.0f}% of bf16" +
+                   (" (FP4-decode-bound main loops, exposed epilogues)" if row["tokens"] >= 4096 else ""))
+    k = TOP_K.get(row["model"])
+    if row["tokens"] < 4096 and k and row.get("experts_hit"):
+        why.append(f"{row['tokens'] * k / row['experts_hit']:.0f} rows/expert: partial tiles, a fill and "
+                   "epilogue per tile")
+    total = sum(st.values()) or 1.0
+    if 100 * st.get("finalize", 0.0) / total >= 3.0:
+        why.append(f"fp32-y finalize {100 * st['finalize'] / total:.0f}%")
+    c = row.get("clock") or {}
+    if c.get("power_capped_fraction", 0.0) >= 0.25 and c.get("sm_mhz", 1980.0) < 1950.0:
+        why.append(f"power cap: {c['sm_mhz']:.0f} MHz")
+    if row["model"] == "qwen3-30b-a3b":
+        why.append("GEMM2 K = 768: 6 K chunks per tile")
+    return "; ".join(why) or "-"
+
+
+def decode_why(row, target_us, copy):
+    """The decode causes the perf log measured, each with this row's figure."""
+    st = row.get("stages_us", {})
+    gemm_us = st.get("gemm1", 0.0) + st.get("gemm2", 0.0)
+    other = sum(st.get(s, 0.0) for s in OTHER_STAGES)
+    why = []
+    if isinstance(copy, (int, float)) and gemm_us > 0:
+        copy_us = row["weight_bytes"] / (copy * 1e12) * 1e6
+        why.append(f"GEMMs {gemm_us - copy_us:+.0f} us over the weights' copy time")
+    why.append(f"route..finalize {other:.0f} us")
+    if row["tokens"] <= 16:
+        why.append("fixed cost of 3 dependent launches")
+    elif row["tokens"] >= 128:
+        why.append("GEMMs issue-bound on the FP4 decode")
+    return "; ".join(why)
+
+
+def prefill_line(row, target, bf16_tflops):
     st = row.get("stages_us", {})
     total = sum(st.values()) or 1.0
     fin = st.get("finalize", 0.0)
     return (f"| {row['model']} | {row['mode']} | {row['tokens']} | {row['tflops']:.1f} | "
             f"{row['median_us'] / row['floor_us']:.2f} | {target} | {gemm_tflops(row, 'gemm1', 2 / 3)} | "
-            f"{gemm_tflops(row, 'gemm2', 1 / 3)} | {100 * fin / total:.1f} | {clock(row)} | {row.get('tactic', '-')} |")
+            f"{gemm_tflops(row, 'gemm2', 1 / 3)} | {100 * fin / total:.1f} | {clock(row)} | {row.get('tactic', '-')} | {prefill_why(row, bf16_tflops)} |")
 
 
-def decode_line(row, target_us, copy_tbps):
+def decode_line(row, target_us, copy_tbps, copy):
     st = row.get("stages_us", {})
     gemm_us = st.get("gemm1", 0.0) + st.get("gemm2", 0.0)
     rate = f"{row['weight_bytes'] / (gemm_us * 1e-6) / 1e12:.2f}" if gemm_us > 0 else "-"
     other = " / ".join(f"{st.get(s, 0.0):.1f}" for s in OTHER_STAGES)
     return (f"| {row['model']} | {row['mode']} | {row['tokens']} | {row['median_us']:.1f} | {target_us:.1f} | "
             f"{row['median_us'] / target_us:.2f} | {gemm_us:.1f} | {rate} of {copy_tbps} | {other} | "
-            f"{row.get('tactic', '-')} |")
+            f"{row.get('tactic', '-')} | {decode_why(row, target_us, copy)} |")
 
 
 def main(argv):
@@ -78,6 +125,7 @@ def main(argv):
             print(f"misses.py: no rows in {path}", file=sys.stderr)
             return 2
         copy = data.get("ceilings", {}).get("copy_tbps")
+        bf16 = data.get("ceilings", {}).get("bf16_tflops")
         copy_tbps = f"{copy:.2f}" if isinstance(copy, (int, float)) else "-"
         for r in rows:
             c = classify(r)
@@ -85,20 +133,20 @@ def main(argv):
                 continue
             kind, _, target, _ = c
             if kind == "decode":
-                decode.append(decode_line(r, DECODE_RATIO * r["floor_us"] + DECODE_SLACK_US, copy_tbps))
+                decode.append(decode_line(r, DECODE_RATIO * r["floor_us"] + DECODE_SLACK_US, copy_tbps, copy))
             else:
-                prefill.append(prefill_line(r, target))
+                prefill.append(prefill_line(r, target, bf16 if isinstance(bf16, (int, float)) else None))
     if prefill:
         print(f"Prefill rows that miss ({len(prefill)}):\n")
-        print("| preset | mode | T | TFLOP/s | x floor | target | GEMM1 TF | GEMM2 TF | finalize % | SM MHz (capped) | tactic |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|")
+        print("| preset | mode | T | TFLOP/s | x floor | target | GEMM1 TF | GEMM2 TF | finalize % | SM MHz (capped) | tactic | why |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
         print("\n".join(prefill))
     if decode:
         if prefill:
             print()
         print(f"Decode rows that miss ({len(decode)}):\n")
-        print("| preset | mode | T | median us | target us | / target | GEMM us | GEMM TB/s | route / quantize / permute / finalize us | tactic |")
-        print("|---|---|---|---|---|---|---|---|---|---|")
+        print("| preset | mode | T | median us | target us | / target | GEMM us | GEMM TB/s | route / quantize / permute / finalize us | tactic | why |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
         print("\n".join(decode))
     if not prefill and not decode:
         print("every row meets its target")
