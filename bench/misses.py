@@ -76,13 +76,13 @@ def prefill_why(row, bf16_tflops):
     return "; ".join(why) or "-"
 
 
-def decode_why(row, target_us, copy):
+def decode_why(row, copy):
     """The decode causes the perf log measured, each with this row's figure."""
     st = row.get("stages_us", {})
     gemm_us = st.get("gemm1", 0.0) + st.get("gemm2", 0.0)
     other = sum(st.get(s, 0.0) for s in OTHER_STAGES)
     why = []
-    if isinstance(copy, (int, float)) and gemm_us > 0:
+    if copy and gemm_us > 0:
         copy_us = row["weight_bytes"] / (copy * 1e12) * 1e6
         why.append(f"GEMMs {gemm_us - copy_us:+.0f} us over the weights' copy time")
     why.append(f"route..finalize {other:.0f} us")
@@ -102,14 +102,15 @@ def prefill_line(row, target, bf16_tflops):
             f"{gemm_tflops(row, 'gemm2', 1 / 3)} | {100 * fin / total:.1f} | {clock(row)} | {row.get('tactic', '-')} | {prefill_why(row, bf16_tflops)} |")
 
 
-def decode_line(row, target_us, copy_tbps, copy):
+def decode_line(row, target_us, copy):
+    copy_tbps = f"{copy:.2f}" if copy else "-"
     st = row.get("stages_us", {})
     gemm_us = st.get("gemm1", 0.0) + st.get("gemm2", 0.0)
     rate = f"{row['weight_bytes'] / (gemm_us * 1e-6) / 1e12:.2f}" if gemm_us > 0 else "-"
     other = " / ".join(f"{st.get(s, 0.0):.1f}" for s in OTHER_STAGES)
     return (f"| {row['model']} | {row['mode']} | {row['tokens']} | {row['median_us']:.1f} | {target_us:.1f} | "
             f"{row['median_us'] / target_us:.2f} | {gemm_us:.1f} | {rate} of {copy_tbps} | {other} | "
-            f"{row.get('tactic', '-')} | {decode_why(row, target_us, copy)} |")
+            f"{row.get('tactic', '-')} | {decode_why(row, copy)} |")
 
 
 def main(argv):
@@ -125,17 +126,18 @@ def main(argv):
             print(f"misses.py: no rows in {path}", file=sys.stderr)
             return 2
         copy = data.get("ceilings", {}).get("copy_tbps")
+        copy = copy if isinstance(copy, (int, float)) else None
         bf16 = data.get("ceilings", {}).get("bf16_tflops")
-        copy_tbps = f"{copy:.2f}" if isinstance(copy, (int, float)) else "-"
+        bf16 = bf16 if isinstance(bf16, (int, float)) else None
         for r in rows:
             c = classify(r)
             if c is None or c[3]:
                 continue
             kind, _, target, _ = c
             if kind == "decode":
-                decode.append(decode_line(r, DECODE_RATIO * r["floor_us"] + DECODE_SLACK_US, copy_tbps, copy))
+                decode.append(decode_line(r, DECODE_RATIO * r["floor_us"] + DECODE_SLACK_US, copy))
             else:
-                prefill.append(prefill_line(r, target, bf16 if isinstance(bf16, (int, float)) else None))
+                prefill.append(prefill_line(r, target, bf16))
     if prefill:
         print(f"Prefill rows that miss ({len(prefill)}):\n")
         print("| preset | mode | T | TFLOP/s | x floor | target | GEMM1 TF | GEMM2 TF | finalize % | SM MHz (capped) | tactic | why |")
