@@ -52,11 +52,9 @@ def clock(row):
     return f"{c['sm_mhz']:.0f} ({100 * c.get('power_capped_fraction', 0.0):.0f}%)"
 
 
-def prefill_why(row, bf16_tflops):
+def prefill_why(row, g1, g2, finalize_pct, bf16_tflops):
     """The causes the perf log measured (docs/perf.md, "What is next"), each with this row's figure."""
     why = []
-    st = row.get("stages_us", {})
-    g1, g2 = gemm_tflops(row, "gemm1", 2 / 3), gemm_tflops(row, "gemm2", 1 / 3)
     if g1 != "-" and bf16_tflops:
         lo, hi = sorted((float(g1), float(g2)))
         why.append(f"GEMMs at {100 * lo / bf16_tflops:.0f}-{100 * hi / bf16_tflops:.0f}% of bf16" +
@@ -65,9 +63,8 @@ def prefill_why(row, bf16_tflops):
     if row["tokens"] < 4096 and k and row.get("experts_hit"):
         why.append(f"{row['tokens'] * k / row['experts_hit']:.0f} rows/expert: partial tiles, a fill and "
                    "epilogue per tile")
-    total = sum(st.values()) or 1.0
-    if 100 * st.get("finalize", 0.0) / total >= 3.0:
-        why.append(f"fp32-y finalize {100 * st['finalize'] / total:.0f}%")
+    if finalize_pct >= 3.0:
+        why.append(f"fp32-y finalize {finalize_pct:.0f}%")
     c = row.get("clock") or {}
     if c.get("power_capped_fraction", 0.0) >= 0.25 and c.get("sm_mhz", 1980.0) < 1950.0:
         why.append(f"power cap: {c['sm_mhz']:.0f} MHz")
@@ -76,16 +73,13 @@ def prefill_why(row, bf16_tflops):
     return "; ".join(why) or "-"
 
 
-def decode_why(row, copy):
+def decode_why(row, gemm_us, other_us, copy):
     """The decode causes the perf log measured, each with this row's figure."""
-    st = row.get("stages_us", {})
-    gemm_us = st.get("gemm1", 0.0) + st.get("gemm2", 0.0)
-    other = sum(st.get(s, 0.0) for s in OTHER_STAGES)
     why = []
     if copy and gemm_us > 0:
         copy_us = row["weight_bytes"] / (copy * 1e12) * 1e6
         why.append(f"GEMMs {gemm_us - copy_us:+.0f} us over the weights' copy time")
-    why.append(f"route..finalize {other:.0f} us")
+    why.append(f"route..finalize {other_us:.0f} us")
     if row["tokens"] <= 16:
         why.append("fixed cost of 3 dependent launches")
     elif row["tokens"] >= 128:
@@ -95,11 +89,11 @@ def decode_why(row, copy):
 
 def prefill_line(row, target, bf16_tflops):
     st = row.get("stages_us", {})
-    total = sum(st.values()) or 1.0
-    fin = st.get("finalize", 0.0)
+    finalize_pct = 100 * st.get("finalize", 0.0) / (sum(st.values()) or 1.0)
+    g1, g2 = gemm_tflops(row, "gemm1", 2 / 3), gemm_tflops(row, "gemm2", 1 / 3)
     return (f"| {row['model']} | {row['mode']} | {row['tokens']} | {row['tflops']:.1f} | "
-            f"{row['median_us'] / row['floor_us']:.2f} | {target} | {gemm_tflops(row, 'gemm1', 2 / 3)} | "
-            f"{gemm_tflops(row, 'gemm2', 1 / 3)} | {100 * fin / total:.1f} | {clock(row)} | {row.get('tactic', '-')} | {prefill_why(row, bf16_tflops)} |")
+            f"{row['median_us'] / row['floor_us']:.2f} | {target} | {g1} | {g2} | {finalize_pct:.1f} | {clock(row)} | "
+            f"{row.get('tactic', '-')} | {prefill_why(row, g1, g2, finalize_pct, bf16_tflops)} |")
 
 
 def decode_line(row, target_us, copy):
@@ -110,7 +104,8 @@ def decode_line(row, target_us, copy):
     other = " / ".join(f"{st.get(s, 0.0):.1f}" for s in OTHER_STAGES)
     return (f"| {row['model']} | {row['mode']} | {row['tokens']} | {row['median_us']:.1f} | {target_us:.1f} | "
             f"{row['median_us'] / target_us:.2f} | {gemm_us:.1f} | {rate} of {copy_tbps} | {other} | "
-            f"{row.get('tactic', '-')} | {decode_why(row, copy)} |")
+            f"{row.get('tactic', '-')} | "
+            f"{decode_why(row, gemm_us, sum(st.get(s, 0.0) for s in OTHER_STAGES), copy)} |")
 
 
 def main(argv):
