@@ -23,11 +23,7 @@
 // numerator with a set of divisors, and for every divisor mantissa with a set of numerators).
 #pragma once
 
-#if defined(__CUDACC__)
-#define FP4MOE_DIV_HD __host__ __device__ __forceinline__
-#else
-#define FP4MOE_DIV_HD inline
-#endif
+#include "kernels/host_device.cuh"
 
 #if !defined(__CUDA_ARCH__)
 #include <cmath>
@@ -40,7 +36,7 @@ inline constexpr float kMaxOperand = 0x1p62f;
 
 // True when the fast path is exact for a / b (NaN compares false: out of range).
 // NOTE: bitwise & (no short circuit) and fabs: four compares with |x| operands, no branches.
-FP4MOE_DIV_HD bool fast_ok(float a, float b) {
+FP4MOE_HD bool fast_ok(float a, float b) {
 #if defined(__CUDA_ARCH__)
   const float aa = fabsf(a), ab = fabsf(b);
 #else
@@ -50,7 +46,7 @@ FP4MOE_DIV_HD bool fast_ok(float a, float b) {
 }
 
 // The correction steps of the fast path, given the reciprocal r of b.
-FP4MOE_DIV_HD float refine(float a, float b, float r) {
+FP4MOE_HD float refine(float a, float b, float r) {
 #if defined(__CUDA_ARCH__)
   const float e = __fmaf_rn(-b, r, 1.0f);
   const float r1 = __fmaf_rn(r, e, r);

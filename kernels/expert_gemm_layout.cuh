@@ -45,11 +45,7 @@
 
 #include <cstdint>
 
-#if defined(__CUDACC__)
-#define FP4MOE_HD __host__ __device__ __forceinline__
-#else
-#define FP4MOE_HD inline
-#endif
+#include "kernels/host_device.cuh"
 
 namespace fp4moe::kernels::fp4layout {
 
