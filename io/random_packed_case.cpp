@@ -6,8 +6,70 @@
 
 #include "fp4moe/case_file.hpp"
 #include "fp4moe/format.hpp"
+#include "reference/parallel.hpp"
 
 namespace fp4moe::io {
+namespace {
+
+// SplitMix64 (Steele, Lea, Flood 2014): a 64-bit state stepped by a constant and a bijective mix; one
+// multiply-xorshift chain per 8 random bytes.
+struct SplitMix64 {
+  uint64_t state;
+  uint64_t operator()() {
+    uint64_t z = (state += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+  }
+};
+
+// NOTE: presets hold GBs of weights (kimi-k2: 9.5 GB of codes and scales), which one mt19937_64 and a
+// uniform_int_distribution per scale byte drew at ~150 MB/s. The bytes are cut into fixed blocks, each
+// drawn by its own SplitMix64 seeded from (seed, tensor, block), on every core: the values depend on
+// the seed only, never on the thread count.
+constexpr int64_t kBlockBytes = int64_t(1) << 20;
+
+// Fills `bytes` (whole tensor) with `draw(r, out, n)` over blocks of kBlockBytes, where r is the
+// block's generator and out / n its bytes.
+template <typename Draw>
+void fill_blocks(std::vector<uint8_t>& bytes, uint64_t seed, uint64_t tensor, Draw draw) {
+  const int64_t n = static_cast<int64_t>(bytes.size());
+  const int64_t blocks = (n + kBlockBytes - 1) / kBlockBytes;
+  SplitMix64 seeder{seed ^ (tensor * 0xD1B54A32D192ED03ull)};
+  const uint64_t base = seeder();
+  reference::detail::parallel_for(blocks, [&](int64_t b, int) {
+    // The block's start state: a mixed (bijective) function of (base, b), so that the blocks' streams
+    // (states start + i * golden ratio) do not overlap as they would from starts b * golden ratio apart.
+    SplitMix64 r{SplitMix64{base + static_cast<uint64_t>(b)}()};
+    const int64_t begin = b * kBlockBytes;
+    draw(r, bytes.data() + begin, std::min(kBlockBytes, n - begin));
+  });
+}
+
+// Uniform random bytes.
+void draw_codes(SplitMix64& r, uint8_t* out, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const uint64_t v = r();
+    std::memcpy(out + i, &v, 8);
+  }
+  if (i < n) {
+    const uint64_t v = r();
+    std::memcpy(out + i, &v, static_cast<size_t>(n - i));
+  }
+}
+
+// e4m3 codes 0x30..0x48 (values 2^-1 .. 2^2): 25 codes, byte x -> 0x30 + (25 x >> 8) (10 or 11 of the 256
+// byte values each).
+void draw_scales(SplitMix64& r, uint8_t* out, int64_t n) {
+  for (int64_t i = 0; i < n; i += 8) {
+    uint64_t v = r();
+    for (int64_t j = i; j < std::min(i + 8, n); ++j, v >>= 8)
+      out[j] = static_cast<uint8_t>(0x30 + ((25u * static_cast<uint32_t>(v & 0xFF)) >> 8));
+  }
+}
+
+}  // namespace
 
 MoeCase make_random_packed_case(const MoeProblem& p, int64_t T, uint64_t seed) {
   std::mt19937_64 rng(seed);
@@ -16,7 +78,6 @@ MoeCase make_random_packed_case(const MoeProblem& p, int64_t T, uint64_t seed) {
   c.num_tokens = T;
   const int64_t E = p.num_experts, H = p.hidden, I = p.inter, N13 = p.w13_rows(), k = p.top_k();
   std::normal_distribution<float> normal(0.0f, 1.0f);
-  std::uniform_int_distribution<int> scale_code(0x30, 0x48);  // e4m3 values 2^-1 .. 2^2
   std::uniform_real_distribution<float> spread(0.8f, 1.2f);
   c.hidden_states.resize(T * H);
   float amax = 0;
@@ -45,17 +106,14 @@ MoeCase make_random_packed_case(const MoeProblem& p, int64_t T, uint64_t seed) {
       for (auto& v : c.routing_bias) v = 0.1f * normal(rng);
     }
   }
-  auto fill = [&](std::vector<uint8_t>& w, std::vector<uint8_t>& s, int64_t rows, int64_t cols) {
+  auto fill = [&](std::vector<uint8_t>& w, std::vector<uint8_t>& s, int64_t rows, int64_t cols, uint64_t tensor) {
     w.resize(E * rows * cols / 2);
     s.resize(E * rows * cols / 16);
-    for (size_t i = 0; i + 8 <= w.size(); i += 8) {  // 8 random bytes per draw: presets are GBs
-      const uint64_t r = rng();
-      std::memcpy(&w[i], &r, 8);
-    }
-    for (auto& b : s) b = static_cast<uint8_t>(scale_code(rng));
+    fill_blocks(w, seed, 2 * tensor, draw_codes);
+    fill_blocks(s, seed, 2 * tensor + 1, draw_scales);
   };
-  fill(c.w13, c.w13_scale, N13, H);
-  fill(c.w2, c.w2_scale, H, I);
+  fill(c.w13, c.w13_scale, N13, H, 0);
+  fill(c.w2, c.w2_scale, H, I, 1);
   c.w13_scale_2.resize(E);
   c.w2_scale_2.resize(E);
   c.w13_input_scale.resize(E);

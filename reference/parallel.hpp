@@ -1,4 +1,4 @@
-// reference/parallel.hpp — the thread helper of the CPU reference (private to reference/).
+// reference/parallel.hpp — the thread helper of the CPU reference (and of io/random_packed_case.cpp).
 //
 // parallel_for(n, fn) runs fn(item, worker) for item in [0, n) on min(n, hardware_concurrency)
 // std::threads that take items from a shared atomic counter (dynamic scheduling). `worker` is in

@@ -52,7 +52,9 @@ MoeCase make_random_case(const MoeProblem& problem, int64_t num_tokens,
 
 // A random case with FP4 codes and e4m3 block scales drawn directly instead of quantized from
 // fp32 weights: cheap for presets with GBs of weights (tests, benchmarks). Weight values
-// q * sf * scale_2 have an RMS of about 0.02; input scales follow the data (amax / (6 * 448)).
+// q * sf * scale_2 have an RMS of about 0.02; input scales follow the data (amax / (6 * 448)). The codes
+// and scales are drawn on every core, in fixed blocks with generators of their own: the same bytes for
+// a seed whatever the thread count.
 MoeCase make_random_packed_case(const MoeProblem& problem, int64_t num_tokens, uint64_t seed);
 
 // Random expert biases (gpt-oss style) for `c`: w13_bias ~ N(0, 0.1), w2_bias ~ N(0, 0.02), about the
