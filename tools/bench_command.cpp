@@ -40,6 +40,58 @@ std::vector<int64_t> parse_tokens(const std::string& s) {
   return v;
 }
 
+namespace {
+
+// --json and --csv of the rows so far (rewritten whole each time).
+void write_results(const BenchCommandOptions& o, const Ceilings& c, const BenchOptions& opt,
+                   const std::vector<BenchRow>& rows) {
+  if (!o.json.empty()) {
+    nlohmann::json j;
+    j["gpu"] = c.gpu_name;
+    j["sm_count"] = c.sm_count;
+    j["ceilings"] = {{"copy_tbps", c.copy_tbps}, {"bf16_tflops", c.bf16_tflops}};
+    j["l2_flush"] = std::string(to_string(opt.l2_flush));
+    j["rows"] = nlohmann::json::array();
+    for (const BenchRow& r : rows) {
+      nlohmann::json row = {{"model", r.model}, {"mode", std::string(to_string(r.mode))}, {"tokens", r.tokens},
+                            {"experts_hit", r.experts_hit}, {"median_us", r.median_us}, {"min_us", r.min_us},
+                            {"floor_us", r.floor_us}, {"pct_of_floor", r.pct_of_floor}, {"tflops", r.tflops},
+                            {"weight_tbps", r.weight_tbps}, {"weight_bytes", r.weight_bytes}, {"flops", r.flops},
+                            {"tactic", r.tactic}, {"replays_us", r.replay_us},
+                            {"stages_us", {{"route", r.stages.route_us}, {"permute", r.stages.permute_us},
+                                           {"quantize", r.stages.quantize_us}, {"gemm1", r.stages.gemm1_us},
+                                           {"gemm2", r.stages.gemm2_us}, {"finalize", r.stages.finalize_us}}}};
+      // null without NVML: no number stands in for a measurement that was not made
+      const ClockStats& cl = r.clock;
+      row["clock"] = cl.samples > 0 ? nlohmann::json{{"samples", cl.samples}, {"sm_mhz", cl.mean_sm_mhz},
+                                                     {"sm_min_mhz", cl.min_sm_mhz}, {"power_w", cl.mean_power_w},
+                                                     {"power_capped_fraction", cl.power_capped_fraction}}
+                                    : nlohmann::json(nullptr);
+      j["rows"].push_back(row);
+    }
+    std::ofstream f(o.json);
+    check(static_cast<bool>(f), "--json: cannot write '", o.json, "'");
+    f << j.dump(2) << "\n";
+  }
+  if (!o.csv.empty()) {
+    std::ofstream f(o.csv);
+    check(static_cast<bool>(f), "--csv: cannot write '", o.csv, "'");
+    f << "model,mode,tokens,experts_hit,median_us,min_us,floor_us,pct_of_floor,tflops,weight_tbps,route_us,"
+         "permute_us,quantize_us,gemm1_us,gemm2_us,finalize_us,tactic,sm_mhz,power_w\n";
+    for (const BenchRow& r : rows) {
+      f << r.model << ',' << to_string(r.mode) << ',' << r.tokens << ',' << r.experts_hit << ',' << r.median_us << ','
+        << r.min_us << ',' << r.floor_us << ',' << r.pct_of_floor << ',' << r.tflops << ',' << r.weight_tbps << ','
+        << r.stages.route_us << ',' << r.stages.permute_us << ',' << r.stages.quantize_us << ','
+        << r.stages.gemm1_us << ',' << r.stages.gemm2_us << ',' << r.stages.finalize_us << ',' << r.tactic << ',';
+      if (r.clock.samples > 0) f << r.clock.mean_sm_mhz << ',' << r.clock.mean_power_w;
+      else f << ',';  // empty fields without NVML
+      f << '\n';
+    }
+  }
+}
+
+}  // namespace
+
 void add_bench_command(CLI::App& app, BenchCommandOptions& o) {
   CLI::App* b = app.add_subcommand("bench", "Time the layer against its floor (CUDA-graph replay, cold L2)");
   b->add_option("--model", o.models, "Preset name(s), comma-separated");
@@ -133,6 +185,8 @@ int run_bench_command(const BenchCommandOptions& o) {
   for (const auto& m : models) {
     auto r = bench_model(m + rank_label, rank_problem(preset(m, mode)), tokens, c, opt, true);
     rows.insert(rows.end(), r.begin(), r.end());
+    // NOTE: after every preset, so that a run stopped by a time limit keeps the presets it finished.
+    write_results(o, c, opt, rows);
   }
   if (layer) {
     const std::string label = "layer " + std::to_string(o.layer) + rank_label;
@@ -152,50 +206,7 @@ int run_bench_command(const BenchCommandOptions& o) {
                 r.weight_tbps, mhz.c_str(), r.stages.route_us, r.stages.permute_us, r.stages.quantize_us,
                 r.stages.gemm1_us, r.stages.gemm2_us, r.stages.finalize_us, r.tactic.c_str());
   }
-
-  if (!o.json.empty()) {
-    nlohmann::json j;
-    j["gpu"] = c.gpu_name;
-    j["sm_count"] = c.sm_count;
-    j["ceilings"] = {{"copy_tbps", c.copy_tbps}, {"bf16_tflops", c.bf16_tflops}};
-    j["l2_flush"] = std::string(to_string(opt.l2_flush));
-    j["rows"] = nlohmann::json::array();
-    for (const BenchRow& r : rows) {
-      nlohmann::json row = {{"model", r.model}, {"mode", std::string(to_string(r.mode))}, {"tokens", r.tokens},
-                            {"experts_hit", r.experts_hit}, {"median_us", r.median_us}, {"min_us", r.min_us},
-                            {"floor_us", r.floor_us}, {"pct_of_floor", r.pct_of_floor}, {"tflops", r.tflops},
-                            {"weight_tbps", r.weight_tbps}, {"weight_bytes", r.weight_bytes}, {"flops", r.flops},
-                            {"tactic", r.tactic}, {"replays_us", r.replay_us},
-                            {"stages_us", {{"route", r.stages.route_us}, {"permute", r.stages.permute_us},
-                                           {"quantize", r.stages.quantize_us}, {"gemm1", r.stages.gemm1_us},
-                                           {"gemm2", r.stages.gemm2_us}, {"finalize", r.stages.finalize_us}}}};
-      // null without NVML: no number stands in for a measurement that was not made
-      const ClockStats& cl = r.clock;
-      row["clock"] = cl.samples > 0 ? nlohmann::json{{"samples", cl.samples}, {"sm_mhz", cl.mean_sm_mhz},
-                                                     {"sm_min_mhz", cl.min_sm_mhz}, {"power_w", cl.mean_power_w},
-                                                     {"power_capped_fraction", cl.power_capped_fraction}}
-                                    : nlohmann::json(nullptr);
-      j["rows"].push_back(row);
-    }
-    std::ofstream f(o.json);
-    check(static_cast<bool>(f), "--json: cannot write '", o.json, "'");
-    f << j.dump(2) << "\n";
-  }
-  if (!o.csv.empty()) {
-    std::ofstream f(o.csv);
-    check(static_cast<bool>(f), "--csv: cannot write '", o.csv, "'");
-    f << "model,mode,tokens,experts_hit,median_us,min_us,floor_us,pct_of_floor,tflops,weight_tbps,route_us,"
-         "permute_us,quantize_us,gemm1_us,gemm2_us,finalize_us,tactic,sm_mhz,power_w\n";
-    for (const BenchRow& r : rows) {
-      f << r.model << ',' << to_string(r.mode) << ',' << r.tokens << ',' << r.experts_hit << ',' << r.median_us << ','
-        << r.min_us << ',' << r.floor_us << ',' << r.pct_of_floor << ',' << r.tflops << ',' << r.weight_tbps << ','
-        << r.stages.route_us << ',' << r.stages.permute_us << ',' << r.stages.quantize_us << ','
-        << r.stages.gemm1_us << ',' << r.stages.gemm2_us << ',' << r.stages.finalize_us << ',' << r.tactic << ',';
-      if (r.clock.samples > 0) f << r.clock.mean_sm_mhz << ',' << r.clock.mean_power_w;
-      else f << ',';  // empty fields without NVML
-      f << '\n';
-    }
-  }
+  write_results(o, c, opt, rows);
   return 0;
 }
 
