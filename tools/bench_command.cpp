@@ -192,6 +192,7 @@ int run_bench_command(const BenchCommandOptions& o) {
     const std::string label = "layer " + std::to_string(o.layer) + rank_label;
     std::fprintf(stderr, "bench %s of %s: %s\n", label.c_str(), o.checkpoint.c_str(), layer->problem.describe().c_str());
     rows = bench_weights(label, layer->problem, layer->weights(), tokens, c, opt, true);
+    write_results(o, c, opt, rows);
   }
 
   // SM MHz: the mean SM clock during the timed replays ("-" without NVML).
@@ -206,7 +207,6 @@ int run_bench_command(const BenchCommandOptions& o) {
                 r.weight_tbps, mhz.c_str(), r.stages.route_us, r.stages.permute_us, r.stages.quantize_us,
                 r.stages.gemm1_us, r.stages.gemm2_us, r.stages.finalize_us, r.tactic.c_str());
   }
-  write_results(o, c, opt, rows);
   return 0;
 }
 
