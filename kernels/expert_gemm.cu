@@ -1,4 +1,4 @@
-// kernels/expert_gemm.cu — launchers of the expert GEMMs (kernels/expert_gemm_sm90.cuh).
+// kernels/expert_gemm.cu — launchers of the expert GEMMs (the wgmma kernel: kernels/sm90_expert_gemm_wgmma.cuh).
 //
 //   1. Check the arguments (cudaErrorInvalidValue on anything inconsistent: shapes, the prepacked
 //      weights' shape, null or misaligned pointers).
@@ -18,7 +18,7 @@
 #include <utility>
 
 #include "kernels/expert_gemm_common.cuh"
-#include "kernels/expert_gemm_sm90.cuh"
+#include "kernels/sm90_expert_gemm_wgmma.cuh"
 #include "kernels/launch.hpp"
 
 namespace fp4moe::kernels {
@@ -55,10 +55,10 @@ bool stream_tactic(const MoeTactic& t) {
          split_ok(t.split_k2);
 }
 
-// The maps of TmaMaps (kernels/expert_gemm_sm90.cuh). Out-of-bounds parts of a box are zero-filled:
+// The maps of TmaMaps (kernels/sm90_expert_gemm_wgmma.cuh). Out-of-bounds parts of a box are zero-filled:
 // activation columns past K, rows past p.rows, weight row groups past N (or past I when gated).
 template <class C>
-cudaError_t make_maps(const sm90gemm::Params& p, sm90gemm::TmaMaps& maps) {
+cudaError_t make_maps(const expert_gemm::Params& p, sm90gemm::TmaMaps& maps) {
   const cuuint64_t act_dims[2] = {static_cast<cuuint64_t>(p.K), static_cast<cuuint64_t>(p.rows)};
   const cuuint64_t act_strides[1] = {static_cast<cuuint64_t>(p.K) * 2};
   const cuuint32_t act_box[2] = {64, static_cast<cuuint32_t>(C::kActBoxRows)};  // 128 B x box rows
@@ -72,13 +72,13 @@ cudaError_t make_maps(const sm90gemm::Params& p, sm90gemm::TmaMaps& maps) {
 }
 
 template <int TileTokens>
-cudaError_t launch_wgmma(const sm90gemm::Params& p, bool gated_gemm1, int64_t cols, cudaStream_t stream) {
+cudaError_t launch_wgmma(const expert_gemm::Params& p, bool gated_gemm1, int64_t cols, cudaStream_t stream) {
   using C = sm90gemm::TileConfig<TileTokens>;
   const int64_t cols_per_cta = gated_gemm1 ? C::kBlockN / 2 : C::kBlockN;
   const int64_t n_ctas = (cols + cols_per_cta - 1) / cols_per_cta;
   const int64_t ctas = static_cast<int64_t>(p.max_tiles) * n_ctas;
   if (ctas > INT_MAX) return cudaErrorInvalidConfiguration;
-  sm90gemm::Params q = p;
+  expert_gemm::Params q = p;
   q.n_ctas = static_cast<int>(n_ctas);
   if (cudaError_t e = configure_expert_gemm(); e != cudaSuccess) return e;
   sm90gemm::TmaMaps maps;
@@ -88,7 +88,7 @@ cudaError_t launch_wgmma(const sm90gemm::Params& p, bool gated_gemm1, int64_t co
 }
 
 // The one place where a tactic becomes a kernel instantiation (the streaming kernel: see the launchers).
-cudaError_t launch(const sm90gemm::Params& p, const MoeTactic& t, bool gated_gemm1, int64_t cols, cudaStream_t stream) {
+cudaError_t launch(const expert_gemm::Params& p, const MoeTactic& t, bool gated_gemm1, int64_t cols, cudaStream_t stream) {
   if (p.max_tiles == 0) return cudaSuccess;
   switch (t.tile_tokens) {
     case 64: return launch_wgmma<64>(p, gated_gemm1, cols, stream);
@@ -105,16 +105,16 @@ int gemm_tile_rows(const MoeTactic& t) { return t.tile_tokens; }
 cudaError_t launch_gemm1_act(const Gemm1Args& args, cudaStream_t stream) {
   if (stream_tactic(args.tactic))
     return launch_gemm1_act_stream(args, args.tactic.tile_tokens, args.tactic.split_k1, stream);
-  sm90gemm::Params p;
+  expert_gemm::Params p;
   if (!wgmma_tactic(args.tactic) || args.tile_ready || !gemm_detail::gemm1_params(args, p))
     return cudaErrorInvalidValue;
-  return launch(p, args.tactic, p.epilogue == sm90gemm::Epilogue::Gemm1Gated, p.out_cols, stream);
+  return launch(p, args.tactic, p.epilogue == expert_gemm::Epilogue::Gemm1Gated, p.out_cols, stream);
 }
 
 cudaError_t launch_gemm2(const Gemm2Args& args, cudaStream_t stream) {
   if (stream_tactic(args.tactic))
     return launch_gemm2_stream(args, args.tactic.tile_tokens, args.tactic.split_k2, stream);
-  sm90gemm::Params p;
+  expert_gemm::Params p;
   // NOTE: the fused top-k finalize (finalize_counters) is the streaming kernel's only.
   // NOTE: the per-tile hand-off (tile_ready, GemmEarlyStart::TileReady) is the streaming kernel's only.
   if (!wgmma_tactic(args.tactic) || args.finalize_counters || args.tile_ready ||

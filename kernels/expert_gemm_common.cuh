@@ -10,8 +10,9 @@
 #include <climits>
 #include <cstdint>
 
-#include "kernels/expert_gemm_sm90.cuh"
+#include "kernels/expert_gemm_params.cuh"
 #include "kernels/launch.hpp"
+#include "kernels/nvfp4/weight_layout.cuh"
 
 namespace fp4moe::kernels::gemm_detail {
 
@@ -60,13 +61,13 @@ inline cudaError_t encode_map(CUtensorMap& map, CUtensorMapDataType type, int ra
 // (group, chunk)); the box of one chunk covers `slots` row groups: gated GEMM1 [slots/2 gate groups]
 // [slots/2 up groups] (5-D: word, chunk, group within the half, half, expert), otherwise `slots`
 // consecutive groups (4-D: word, chunk, group, expert). Groups past the expert's are zero-filled.
-inline cudaError_t encode_weight_maps(const sm90gemm::Params& p, int slots, CUtensorMap& w_map,
+inline cudaError_t encode_weight_maps(const expert_gemm::Params& p, int slots, CUtensorMap& w_map,
                                       CUtensorMap& scale_map) {
   const cuuint64_t chunks = static_cast<cuuint64_t>(p.chunks), groups = static_cast<cuuint64_t>(p.groups);
   const cuuint64_t experts = static_cast<cuuint64_t>(p.num_experts);
-  const bool gated = p.epilogue == sm90gemm::Epilogue::Gemm1Gated;
+  const bool gated = p.epilogue == expert_gemm::Epilogue::Gemm1Gated;
   for (int which = 0; which < 2; ++which) {
-    const cuuint64_t bytes = which == 0 ? fp4layout::kChunkBytes : fp4layout::kChunkScaleBytes;
+    const cuuint64_t bytes = which == 0 ? nvfp4::kChunkBytes : nvfp4::kChunkScaleBytes;
     const void* base = which == 0 ? static_cast<const void*>(p.w) : static_cast<const void*>(p.w_scale);
     CUtensorMap& map = which == 0 ? w_map : scale_map;
     const cuuint32_t words = static_cast<cuuint32_t>(bytes / 4);
@@ -95,7 +96,7 @@ inline bool common_args_valid(const ExpertGemmArgs& a) {
   if (a.K <= 0 || a.K % 16 != 0 || a.N <= 0 || a.N % 16 != 0 || a.K > INT_MAX / 2 || a.N > INT_MAX / 2) return false;
   if (a.num_experts <= 0 || a.max_tiles < 0 || a.max_tiles > INT_MAX) return false;
   if (pw.num_experts != a.num_experts || pw.rows != a.N || pw.cols != a.K ||
-      pw.padded_cols != (a.K + fp4layout::kChunkK - 1) / fp4layout::kChunkK * fp4layout::kChunkK)
+      pw.padded_cols != (a.K + nvfp4::kChunkK - 1) / nvfp4::kChunkK * nvfp4::kChunkK)
     return false;
   if (a.rows < 0 || a.rows > INT_MAX) return false;
   if (a.max_tiles == 0) return true;  // nothing will be launched
@@ -106,8 +107,8 @@ inline bool common_args_valid(const ExpertGemmArgs& a) {
   return aligned(a.a, 16) && aligned(a.w, 16) && aligned(a.w_scale, 16);
 }
 
-inline sm90gemm::Params common_params(const ExpertGemmArgs& a) {
-  sm90gemm::Params p{};
+inline expert_gemm::Params common_params(const ExpertGemmArgs& a) {
+  expert_gemm::Params p{};
   p.a = a.a;
   p.rows = static_cast<int>(a.rows);
   p.num_experts = a.num_experts;
@@ -121,13 +122,13 @@ inline sm90gemm::Params common_params(const ExpertGemmArgs& a) {
   p.max_tiles = static_cast<int>(a.max_tiles);
   p.K = static_cast<int>(a.K);
   p.N = static_cast<int>(a.N);
-  p.groups = static_cast<int>(a.N / fp4layout::kRowsPerGroup);
-  p.chunks = static_cast<int>(a.weights.padded_cols / fp4layout::kChunkK);
+  p.groups = static_cast<int>(a.N / nvfp4::kRowsPerGroup);
+  p.chunks = static_cast<int>(a.weights.padded_cols / nvfp4::kChunkK);
   return p;
 }
 
 // GEMM1's checks and kernel parameters (both kernels): false on an invalid argument.
-inline bool gemm1_params(const Gemm1Args& args, sm90gemm::Params& p) {
+inline bool gemm1_params(const Gemm1Args& args, expert_gemm::Params& p) {
   if (!common_args_valid(args)) return false;
   const bool gated = args.activation.kind != Activation::Relu2;
   if (gated && args.N % 32 != 0) return false;  // I = N/2 must be a multiple of 16
@@ -138,7 +139,7 @@ inline bool gemm1_params(const Gemm1Args& args, sm90gemm::Params& p) {
     if (quantize && !args.act_scale) return false;
   }
   p = common_params(args);
-  p.epilogue = gated ? sm90gemm::Epilogue::Gemm1Gated : sm90gemm::Epilogue::Gemm1Plain;
+  p.epilogue = gated ? expert_gemm::Epilogue::Gemm1Gated : expert_gemm::Epilogue::Gemm1Plain;
   p.act = args.activation;
   p.quantize = quantize ? 1 : 0;
   p.act_scale = args.act_scale;
@@ -151,12 +152,12 @@ inline bool gemm1_params(const Gemm1Args& args, sm90gemm::Params& p) {
 }
 
 // GEMM2's checks and kernel parameters (both kernels): false on an invalid argument.
-inline bool gemm2_params(const Gemm2Args& args, sm90gemm::Params& p) {
+inline bool gemm2_params(const Gemm2Args& args, expert_gemm::Params& p) {
   if (!common_args_valid(args)) return false;
   if (args.max_tiles > 0 && (!args.row_to_entry || (!args.y && !args.out) || (args.y && !aligned(args.y, 16))))
     return false;
   p = common_params(args);
-  p.epilogue = sm90gemm::Epilogue::Gemm2;
+  p.epilogue = expert_gemm::Epilogue::Gemm2;
   p.row_to_entry = args.row_to_entry;
   p.y = args.y;
   p.out = args.out;

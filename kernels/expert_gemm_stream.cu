@@ -1,5 +1,5 @@
 // kernels/expert_gemm_stream.cu — launchers of the streaming expert GEMM
-// (kernels/expert_gemm_stream_sm90.cuh, GemmKernel::Sm90Stream).
+// (kernels/sm90_expert_gemm_stream.cuh, GemmKernel::Sm90Stream).
 //
 //   1. Check the arguments as launch_gemm1_act / launch_gemm2 do (cudaErrorInvalidValue), plus
 //      tile_rows in {16, 32}, split_k in [1, kMaxStreamSplitK] and, for split_k > 1, the workspace; the
@@ -12,8 +12,6 @@
 //      at run time) and GEMM2, for each tile size.
 // Workspace (split_k > 1): [counters: outs int32, padded to 256 B][partials: outs * split_k * 8 / 16
 // KiB], outs = max_tiles * ceil(N / 128).
-#define FP4MOE_SM90GEMM_HELPERS_ONLY 1  // the wgmma kernel itself is defined in expert_gemm.cu
-
 #include <cuda_runtime.h>
 
 #include <atomic>
@@ -21,7 +19,7 @@
 #include <cstdint>
 
 #include "kernels/expert_gemm_common.cuh"
-#include "kernels/expert_gemm_stream_sm90.cuh"
+#include "kernels/sm90_expert_gemm_stream.cuh"
 #include "kernels/launch.hpp"
 
 namespace fp4moe::kernels {
@@ -66,7 +64,7 @@ int64_t partial_floats(int tile_rows) {
 
 // The one place where a streaming tactic's tile size and the GEMM's op (sp.base.epilogue) become a
 // kernel instantiation.
-template <sm90gemm::Epilogue kOp>
+template <expert_gemm::Epilogue kOp>
 cudaError_t launch_op(ss::StreamParams sp, int tile_rows, cudaStream_t stream) {
   if (sp.base.max_tiles == 0) return cudaSuccess;
   const int64_t n_ctas = n_ctas_of(sp.base.N);
@@ -86,7 +84,7 @@ cudaError_t launch_op(ss::StreamParams sp, int tile_rows, cudaStream_t stream) {
 }
 
 cudaError_t launch(const ss::StreamParams& sp, int tile_rows, cudaStream_t stream) {
-  using sm90gemm::Epilogue;
+  using expert_gemm::Epilogue;
   switch (sp.base.epilogue) {
     case Epilogue::Gemm1Gated: return launch_op<Epilogue::Gemm1Gated>(sp, tile_rows, stream);
     case Epilogue::Gemm1Plain: return launch_op<Epilogue::Gemm1Plain>(sp, tile_rows, stream);
@@ -104,7 +102,7 @@ cudaError_t configure_expert_gemm_stream() {
     const auto opt_in = [](auto kernel, int bytes) {
       return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
     };
-    using sm90gemm::Epilogue;
+    using expert_gemm::Epilogue;
     constexpr int k16 = ss::StreamTile<16>::kSmemBytes, k32 = ss::StreamTile<32>::kSmemBytes;
     for (cudaError_t e : {opt_in(ss::expert_gemm_stream_kernel<Epilogue::Gemm1Gated, 16>, k16),
                           opt_in(ss::expert_gemm_stream_kernel<Epilogue::Gemm1Plain, 16>, k16),

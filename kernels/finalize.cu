@@ -1,4 +1,5 @@
-// kernels/finalize.cu — out[t] = bf16(sum_j w[t,j] * (y[t*k+j] + b[id])) (DESIGN.md §1 step 6; b: the optional expert bias).
+// kernels/finalize.cu — out[t] = bf16(sum_j w[t,j] * (y[t*k+j] + b[id])) (b: the optional expert bias;
+// docs/numerics.md, "The layer, step by step").
 //
 // One thread per 8 consecutive columns of one token: for each slot j in order it accumulates 8 fp32
 // of y[t*k+j] as acc = acc + w * y with separately rounded fp32 operations (__fmul_rn / __fadd_rn:
@@ -14,7 +15,7 @@
 
 #include "kernels/dependent_launch.cuh"
 #include "kernels/launch.hpp"
-#include "kernels/nvfp4_device.cuh"
+#include "kernels/nvfp4/codec.cuh"
 
 namespace fp4moe::kernels {
 namespace {

@@ -122,7 +122,7 @@ struct GatherArgs {
 cudaError_t launch_gather_quantize(const GatherArgs& args, cudaStream_t stream);
 
 // ---- expert GEMMs ---------------------------------------------------------------------------------
-// Expert weights in the layout of the GEMM kernels (kernels/expert_gemm_layout.cuh): every group of 8
+// Expert weights in the layout of the GEMM kernels (kernels/nvfp4/weight_layout.cuh): every group of 8
 // rows and 128-wide K chunk is 512 bytes in the order the MMA fragments want, K padded with zeros to a
 // multiple of 128 (padded_cols); N is not padded. Scales get their own 8-bit code (one per 16 K
 // elements). Built once on the host from the canonical layout.
@@ -242,7 +242,7 @@ inline int64_t gemm2_finalize_counter_count(int64_t num_tokens, int64_t N) { ret
 // Runs the kernel of args.tactic (the streaming kernel split args.tactic.split_k2 ways along K).
 cudaError_t launch_gemm2(const Gemm2Args& args, cudaStream_t stream);
 
-// ---- streaming expert GEMMs (GemmKernel::Sm90Stream, kernels/expert_gemm_stream_sm90.cuh) ---------
+// ---- streaming expert GEMMs (GemmKernel::Sm90Stream, kernels/sm90_expert_gemm_stream.cuh) ------
 // Same arguments and results as launch_gemm1_act / launch_gemm2 (up to the fp32 summation order), for
 // few token rows per expert: the tile table must be built with tile_rows (16 or 32) and
 // max_tiles(T*k, E, tile_rows). split_k (1..kMaxStreamSplitK) CTAs share the K range of

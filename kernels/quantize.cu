@@ -2,7 +2,7 @@
 // format::scales_linear_to_swizzled) and the permuted gather that builds the GEMM1 A operand.
 //
 // quantize_nvfp4_kernel: one thread per 16-element block. It loads the block's 16 bf16 with two 16-byte
-// loads, quantizes them (kernels/nvfp4_device.cuh), stores the 8 packed bytes with one 8-byte store
+// loads, quantizes them (kernels/nvfp4/codec.cuh), stores the 8 packed bytes with one 8-byte store
 // and the scale byte at its linear or 128x4-swizzled offset. In the swizzled layout the grid covers
 // the padded [ceil(rows/128)*128, ceil(cols/16/4)*4] scale matrix, and the threads of padding
 // positions write a zero scale byte.
@@ -23,7 +23,7 @@
 
 #include "kernels/dependent_launch.cuh"
 #include "kernels/launch.hpp"
-#include "kernels/nvfp4_device.cuh"
+#include "kernels/nvfp4/codec.cuh"
 
 namespace fp4moe::kernels {
 namespace {

@@ -1,4 +1,4 @@
-// kernels/route.cu — top-k routing of DESIGN.md §4 on the GPU, the same numerics as
+// kernels/route.cu — top-k routing (docs/numerics.md, "Routing methods") on the GPU, the same numerics as
 // reference/routing.cpp (ids identical; weights equal up to the order of the softmax sum over E).
 //
 // Every method but DeepSeekV3: one warp per token (route_kernel); expert e = 32*i + lane sits in
@@ -25,7 +25,7 @@
 
 #include "kernels/dependent_launch.cuh"
 #include "kernels/launch.hpp"
-#include "kernels/nvfp4_device.cuh"
+#include "kernels/nvfp4/codec.cuh"
 #include "kernels/permute_block.cuh"
 
 namespace fp4moe::kernels {
@@ -88,8 +88,8 @@ __device__ __forceinline__ void quantize_hidden_block(const RouteArgs& a, int64_
 // ones) quantizes the 16-element blocks [qb * blockDim, +blockDim) of hidden, a thread each.
 // NOTE: in blocks of their own the rows are quantized while the routing blocks route. In the token's
 // own CTA after its routing (DeepSeekV3, before), the quantization lengthened the route stage by ~2 us
-// at deepseek-r1 T = 8 (10.0 against 7.8 us in w4a16; docs/perf.md seventeenth session); one warp
-// quantizing its token's row after routing it took longer than a gather launch (sixth session).
+// at deepseek-r1 T = 8 (10.0 against 7.8 us in w4a16); one warp
+// quantizing its token's row after routing it took longer than a gather launch.
 __device__ __forceinline__ void quantize_row_blocks(const RouteArgs& a, int64_t qb) {
   const int64_t i = qb * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   const int per_row = a.hidden_size / nvfp4::kBlock;
@@ -225,7 +225,7 @@ __device__ __forceinline__ void permute_in_block(const PermuteArgs& permute, con
 // except in the one block of launch_route_permute). Blocks past the routing ones (quant_out only):
 // thread i of them quantizes block i % (H / 16) of token i / (H / 16).
 // NOTE: one warp quantizing its token's row after routing it took longer than the gather_quantize
-// launch this saves (qwen3 presets, T = 1: route 6 -> 11-15 us; docs/perf.md, sixth session); in
+// launch this saves (qwen3 presets, T = 1: route 6 -> 11-15 us); in
 // blocks of their own the rows are quantized while the warps route.
 template <int VPT>
 __global__ void __launch_bounds__(permute_block::kThreads)
@@ -358,7 +358,7 @@ __global__ void __launch_bounds__(kMaxExperts) route_deepseek_block_kernel(const
     // key, ties to the lowest id, as warp_argmax).
     // NOTE: every thread scanning the nwarps winners compiled to a 228-instruction loop (48 LDS) per
     // round; this form is ~30 instructions per round (SASS). The kernel is instruction-bound at large T
-    // (ncu, deepseek-r1 T = 16384: issued IPC 3.59, 161 us; docs/perf.md, twenty-fourth session).
+    // (ncu, deepseek-r1 T = 16384: issued IPC 3.59, 161 us).
     const bool reader = lane < nwarps;
     const int win = warp_argmax(reader ? wkey_sh[buf][lane] : kKeyNone, reader ? wid_sh[buf][lane] : 0xFFFFFFFFu);
     if (win == e) key = kKeyNone;
@@ -443,7 +443,7 @@ cudaError_t launch_route(const RouteArgs& args, cudaStream_t stream) {
 bool route_permute_fits(const RoutingParams& params, int64_t num_tokens) {
   if (num_tokens < 1 || num_tokens * params.top_k > permute_block::kSmallEntries) return false;
   // NOTE: at most one token per warp of the one block. With 4-8 (llama4-scout T = 64, 128) its route
-  // stage took 2-3x as long and the layer 1.01-1.04x (A/B, docs/perf.md fifteenth session); with 2
+  // stage took 2-3x as long and the layer 1.01-1.04x (A/B); with 2
   // (T = 17..32) the fused stage was 15.3 us at qwen3-235b-a22b T = 32 (256 entries), against ~6 us of
   // routing alone, and the permute launch counts by entry warps up to 512 entries.
   if (num_tokens > permute_block::kWarps) return false;

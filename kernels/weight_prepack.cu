@@ -1,5 +1,5 @@
 // kernels/weight_prepack.cu — host code: canonical NVFP4 expert weights -> the prepacked layout of
-// kernels/expert_gemm_layout.cuh (built once, at weight preparation).
+// kernels/nvfp4/weight_layout.cuh (built once, at weight preparation).
 //
 // Per expert, row group (8 rows) and 128-wide K chunk:
 //   1. Scales: for each of the 8 rows x 8 k-blocks, take the e4m3 code; reject NaN; a negative scale
@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "fp4moe/error.hpp"
-#include "kernels/expert_gemm_layout.cuh"
+#include "kernels/nvfp4/weight_layout.cuh"
 #include "kernels/launch.hpp"
 
 namespace fp4moe::kernels {
@@ -23,7 +23,7 @@ namespace fp4moe::kernels {
 PrepackedWeights prepack_expert_weights(const uint8_t* w, const uint8_t* w_scale, int64_t E, int64_t N,
                                         int64_t K, std::vector<uint8_t>& w_out,
                                         std::vector<uint8_t>& scale_out) {
-  using namespace fp4layout;
+  using namespace nvfp4;
   check(E >= 0, "prepack_expert_weights: number of experts must be >= 0, got ", E);
   check(N > 0 && N % 16 == 0, "prepack_expert_weights: rows N must be a positive multiple of 16, got ", N);
   check(K > 0 && K % 16 == 0, "prepack_expert_weights: cols K must be a positive multiple of 16, got ", K);

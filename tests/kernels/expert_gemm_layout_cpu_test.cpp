@@ -9,12 +9,12 @@
 #include <random>
 
 #include "fp4moe/format.hpp"
-#include "kernels/expert_gemm_layout.cuh"
+#include "kernels/nvfp4/weight_layout.cuh"
 
 namespace fp4moe {
 namespace {
 
-namespace fl = kernels::fp4layout;
+namespace fl = kernels::nvfp4;
 
 // The bf16 bit position of each field in a decoded half (sign, exponent bits 1 and 0, mantissa).
 constexpr int kFieldBit[4] = {15, 8, 7, 6};

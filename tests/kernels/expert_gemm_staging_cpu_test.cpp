@@ -1,5 +1,5 @@
 // tests/kernels/expert_gemm_staging_cpu_test.cpp — the wgmma GEMM1 epilogue's staging tile and item
-// order (kernels/expert_gemm_staging.cuh) on the host: every (token, block) item once for every tile
+// order (kernels/sm90/staging.cuh) on the host: every (token, block) item once for every tile
 // size, column and row count; the item loads of full warps and the accumulators' float2 staging stores
 // free of shared-memory bank conflicts (the kernel's performance depends on both; its results on the
 // first, which the GPU tests check too).
@@ -9,12 +9,12 @@
 #include <set>
 #include <utility>
 
-#include "kernels/expert_gemm_staging.cuh"
+#include "kernels/sm90/staging.cuh"
 
 namespace fp4moe {
 namespace {
 
-namespace st = kernels::staging;
+namespace st = kernels::sm90::staging;
 
 constexpr int kTiles[] = {64, 128, 256};
 

@@ -31,7 +31,7 @@
 #include "fp4moe/error.hpp"
 #include "fp4moe/format.hpp"
 #include "fp4moe/reference.hpp"
-#include "kernels/expert_gemm_layout.cuh"
+#include "kernels/nvfp4/weight_layout.cuh"
 #include "kernels/launch.hpp"
 #include "kernels/gpu_test_util.hpp"
 #include "kernels/permute_buffers.hpp"
@@ -40,7 +40,7 @@ namespace fp4moe {
 namespace {
 
 using test::DeviceBuffer;
-namespace fl = kernels::fp4layout;
+namespace fl = kernels::nvfp4;
 
 float bf16_bits_to_float(uint16_t b) { return format::bf16_to_float(b); }
 float bf16_round(float x) { return format::bf16_to_float(format::bf16_from_float(x)); }

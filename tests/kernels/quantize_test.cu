@@ -1,4 +1,4 @@
-// tests/kernels/quantize_test.cu — the device NVFP4 codecs (kernels/nvfp4_device.cuh),
+// tests/kernels/quantize_test.cu — the device NVFP4 codecs (kernels/nvfp4/codec.cuh),
 // launch_quantize_nvfp4 and launch_gather_quantize against format/ (bit-exact).
 //
 //   codecs:   e4m3 / e2m1 encode of every rounding boundary (+-1 ulp), a dense sweep and random bit
@@ -26,7 +26,7 @@
 #include "kernels/gpu_test_util.hpp"
 #include "kernels/div_rn.cuh"
 #include "kernels/launch.hpp"
-#include "kernels/nvfp4_device.cuh"
+#include "kernels/nvfp4/codec.cuh"
 
 namespace fp4moe {
 namespace {

@@ -1,9 +1,10 @@
-// kernels/expert_gemm_stream_sm90.cuh — the streaming ("decode") NVFP4 expert GEMM for sm_90a, for few
-// token rows per expert (1..32 per tile). At decode the layer is bound by reading the FP4 weights from
-// HBM, so this kernel keeps several K chunks of weights in flight on every SM: per chunk, one thread
-// issues the weights and scales as two bulk tensor copies (TMA) into a shared-memory ring and its warp
-// (two warps for 32-row tiles; the warps take turns by chunk) adds the activation rows (cp.async);
-// every warp decodes its weights with the register decoder of expert_gemm_layout.cuh and feeds
+// kernels/sm90_expert_gemm_stream.cuh — the streaming ("decode") NVFP4 expert GEMM for sm_90a, for few
+// token rows per expert (1..32 per tile), launched by expert_gemm_stream.cu (GemmKernel::Sm90Stream).
+// At decode the layer is bound by reading the FP4 weights from HBM, so this kernel keeps several K
+// chunks of weights in flight on every SM: per chunk, one thread issues the weights and scales as two
+// bulk tensor copies (TMA) into the CTA's shared-memory ring (one ring for the CTA's 8 warps) and its
+// warp (two warps for 32-row tiles; the warps take turns by chunk) adds the activation rows (cp.async);
+// every warp decodes its weights with the register decoder of nvfp4/weight_layout.cuh and feeds
 // mma.sync m16n8k16; the tokens are the MMA N dimension (swap AB), 8 per mma. Warps meet only
 // through the ring's mbarriers, never at a CTA barrier in the main loop.
 //
@@ -18,7 +19,7 @@
 //
 // Shared memory (dynamic, StreamTile<>): kStages ring stages, one K chunk each,
 //   [weights: 16 row-group slots x 512 B][scales: 16 x 64 B][activations: tile rows x 272 B]
-//   (weights and scales in the prepacked layout of expert_gemm_layout.cuh, lane l's 16 bytes of a slot
+//   (weights and scales in the prepacked layout of nvfp4/weight_layout.cuh, lane l's 16 bytes of a slot
 //   at l * 16; activation rows of 128 bf16 padded to kActRowStride), then full[kStages] (the copy
 //   lanes' cp.async arrivals + one expect_tx arrival: every byte of the stage landed) and
 //   empty[kStages] (256 arrivals, one per thread: every warp is done with the stage) mbarriers.
@@ -70,37 +71,48 @@
 // and chunk of the 8-token main loop (SASS).
 // NOTE (cost): per chunk a lane decodes 64 weights (8 words) with 8 x (6 LOP3/SHF + 3 IMAD.SHL) + 8 x
 // (PRMT + LEA) for the scales + 32 HMUL2 ~ 1.9 instructions per weight, of which 1.0 on the integer
-// pipe (expert_gemm_layout.cuh); then 4 LDS, 8 ldmatrix and 8 or 16 mma.sync.
+// pipe (nvfp4/weight_layout.cuh); then 4 LDS, 8 ldmatrix and 8 or 16 mma.sync.
 #pragma once
 
+#include <cuda.h>  // CUtensorMap
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
 
-#include "kernels/expert_gemm_layout.cuh"
-#include "kernels/expert_gemm_sm90.cuh"
+#include "fp4moe/problem.hpp"
+#include "kernels/dependent_launch.cuh"
+#include "kernels/expert_gemm_epilogue.cuh"
+#include "kernels/expert_gemm_params.cuh"
 #include "kernels/launch.hpp"
-#include "kernels/nvfp4_device.cuh"
+#include "kernels/nvfp4/codec.cuh"
+#include "kernels/nvfp4/decode.cuh"
+#include "kernels/nvfp4/weight_layout.cuh"
+#include "kernels/sm90/copy.cuh"
+#include "kernels/sm90/mbarrier.cuh"
+#include "kernels/sm90/mma.cuh"
+#include "kernels/sm90/ptx.cuh"
+#include "kernels/sm90/ring.cuh"
 
 namespace fp4moe::kernels::sm90stream {
 
-using sm90gemm::Epilogue;
-using sm90gemm::Params;
+using expert_gemm::Epilogue;
+using expert_gemm::Params;
+
 
 inline constexpr int kThreads = 256;                      // 8 warps
 inline constexpr int kWarps = kThreads / 32;
 inline constexpr int kRowsPerCta = 16 * kWarps;           // 128 weight rows (gated: 64 gate + 64 up)
 inline constexpr int kGroupsPerCta = kRowsPerCta / 8;     // 16 row groups
-inline constexpr int kActRowBytes = fp4layout::kChunkK * 2;          // 256: 128 bf16
+inline constexpr int kActRowBytes = nvfp4::kChunkK * 2;          // 256: 128 bf16
 inline constexpr int kActRowStride = kActRowBytes + 16;              // 272: padded, see the NOTE above
 // One ring stage per K chunk, shared by the 8 warps (StreamTile<>):
 //   [weights: 16 slots x 512 B][scales: 16 slots x 64 B][activations: tile rows x kActRowStride]
 // Slots are the CTA's 16 row groups in the order of one bulk tensor copy (the maps of both kernels,
 // gemm_detail::encode_weight_maps): gated GEMM1 [8 gate groups][8 up groups], otherwise 16 consecutive groups. Warp w
 // reads slots (w, 8 + w) when gated, (2w, 2w + 1) otherwise; lane l its 16 bytes at l * 16 of each.
-inline constexpr int kSlotWeightBytes = kGroupsPerCta * fp4layout::kChunkBytes;       // 8192
-inline constexpr int kSlotScaleBytes = kGroupsPerCta * fp4layout::kChunkScaleBytes;   // 1024
+inline constexpr int kSlotWeightBytes = kGroupsPerCta * nvfp4::kChunkBytes;       // 8192
+inline constexpr int kSlotScaleBytes = kGroupsPerCta * nvfp4::kChunkScaleBytes;   // 1024
 
 // The two tile sizes (MoeTactic::tile_tokens): 16 token rows (two n8 halves), or 32 (four): an expert
 // with 17..32 rows then streams its weights once instead of twice, for 8 more accumulators and one
@@ -126,11 +138,11 @@ struct StreamTile {
   // tiles: 4 CTAs x 2 chunks x 9 KiB ~ 74 KB, which streamed 4.18 TB/s in the copy-only pattern of
   // bench/micro/weight_stream_pattern.cu). 32-row tiles: 3 CTAs per SM (80 registers, 4 stages of
   // 17.5 KiB, prefetch 2) took 0-21% off (geomean 0.90) against 2 per SM with 6 stages, prefetch 3
-  // (16 warps per SM left the decode latency exposed; docs/perf.md, nineteenth session). With
-  // 16-row tiles, 3 chunks in flight (slack 1 between the warps) was 3% slower on every decode row,
-  // and a ring sized per launch (up to 16 stages for small grids) gained nothing (docs/perf.md).
+  // (16 warps per SM left the decode latency exposed). With 16-row tiles, 3 chunks in flight (slack 1
+  // between the warps) was 3% slower on every decode row, and a ring sized per launch (up to 16 stages
+  // for small grids) gained nothing.
   // NOTE: the mbarriers sit after the ring; with them in front (under the GEMM1 staging overlay) the
-  // GEMM1 tests failed with NaN rows, not explained yet (docs/perf.md, ninth session).
+  // GEMM1 tests failed with NaN rows, not explained yet.
   static constexpr int kStages = 4;    // 16 rows: 53 KiB per CTA; 32 rows: 70 KiB
   static constexpr int kPrefetch = 2;
   static constexpr int kActStageBytes = TileRows * kActRowStride;    // 4352 / 8704 B
@@ -176,31 +188,6 @@ struct StreamMaps {
   CUtensorMap scale;  // the same over the prepacked scales
 };
 
-// ---- PTX wrappers -----------------------------------------------------------------------------------
-// The mbarrier counts one arrival of this thread once all of its earlier cp.async copies have landed
-// (init count: one arrival per copying thread and phase).
-__device__ __forceinline__ void cp_async_arrive_noinc(uint32_t bar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
-}
-// "memory": the shared-memory reads stay after the mbarrier wait that publishes the stage.
-__device__ __forceinline__ void ldsm_x4(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
-               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-               : "r"(addr)
-               : "memory");
-}
-__device__ __forceinline__ void ldsm_x2(uint32_t addr, uint32_t& r0, uint32_t& r1) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];" : "=r"(r0), "=r"(r1) : "r"(addr) : "memory");
-}
-// D[16 x 8] += A[16 x 16] * B[16 x 8], bf16 inputs, f32 accumulators.
-__device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
 // ---- main loop ----------------------------------------------------------------------------------------
 // What the stage copies of one CTA need (set up once per CTA by the kernel).
 struct StageSource {
@@ -213,19 +200,16 @@ struct StageSource {
   bool row_ok;                // the row is one of the tile's valid rows
 };
 
+
 // The two bulk tensor copies of chunk kn's weights and scales into the stage at `stage`, completing on
 // `full` (with its expect_tx arrival). One thread.
 template <class C>
 __device__ __forceinline__ void issue_weight_copies(const StageSource& src, uint32_t stage, uint32_t full, int kn) {
-  sm90gemm::mbar_arrive_expect_tx(full, C::kTmaBytes);  // out-of-bounds parts of a box count as well
-  if (src.gated) {  // (expert, half, group, chunk): slots [gate groups][up groups]
-    sm90gemm::tma_load_5d(stage, src.w_map, full, 0, kn, src.group0, 0, src.expert);
-    sm90gemm::tma_load_5d(stage + kSlotWeightBytes, src.s_map, full, 0, kn, src.group0, 0, src.expert);
-  } else {  // (expert, group, chunk): 16 consecutive groups
-    sm90gemm::tma_load_4d(stage, src.w_map, full, 0, kn, src.group0, src.expert);
-    sm90gemm::tma_load_4d(stage + kSlotWeightBytes, src.s_map, full, 0, kn, src.group0, src.expert);
-  }
+  sm90::mbar_arrive_expect_tx(full, C::kTmaBytes);  // out-of-bounds parts of a box count as well
+  sm90::copy_weight_chunk(src.w_map, src.s_map, stage, stage + kSlotWeightBytes, full, kn, src.group0, src.expert,
+                          src.gated);
 }
+
 
 // This lane's 8 activation segments in stage 0 when its warp fills a stage (row 16 c + l / 2, c = the
 // warp's place in its fill group; segments 8 (l % 2) ..).
@@ -243,7 +227,7 @@ __device__ __forceinline__ void zero_idle_act_row(uint32_t smem_base, int warp, 
 #pragma unroll
   for (int s = 0; s < C::kStages; ++s)
 #pragma unroll
-    for (int i = 0; i < C::kLaneCopies; ++i) sm90gemm::sts128_zero(dst + s * C::kStageBytes + i * 16);
+    for (int i = 0; i < C::kLaneCopies; ++i) sm90::sts128_zero(dst + s * C::kStageBytes + i * 16);
 }
 
 // Chunks [c0, c1) of this CTA's split. slot_a / slot_b: the warp's slots (rows g / g+8 of its m16
@@ -277,10 +261,10 @@ __device__ __forceinline__ void mainloop(const Params& p, uint32_t smem_base, co
   const uint32_t full_bar = smem_base + C::kBarrierOffset;  // [kStages] mbarriers, 8 B each
   const uint32_t empty_bar = full_bar + kStages * 8;        // [kStages]
   // This lane's weight words and scale bytes in stage 0 (stage s: + s * kStageBytes).
-  uint32_t wa_addr = smem_base + slot_a * fp4layout::kChunkBytes + lane * 16;
-  uint32_t wb_addr = smem_base + slot_b * fp4layout::kChunkBytes + lane * 16;
-  uint32_t sa_addr = smem_base + kSlotWeightBytes + slot_a * fp4layout::kChunkScaleBytes + g * 8;
-  uint32_t sb_addr = smem_base + kSlotWeightBytes + slot_b * fp4layout::kChunkScaleBytes + g * 8;
+  uint32_t wa_addr = smem_base + slot_a * nvfp4::kChunkBytes + lane * 16;
+  uint32_t wb_addr = smem_base + slot_b * nvfp4::kChunkBytes + lane * 16;
+  uint32_t sa_addr = smem_base + kSlotWeightBytes + slot_a * nvfp4::kChunkScaleBytes + g * 8;
+  uint32_t sb_addr = smem_base + kSlotWeightBytes + slot_b * nvfp4::kChunkScaleBytes + g * 8;
   // NOTE: the loop invariants pass through an empty asm so that ptxas keeps them in registers: under
   // the 64-register cap it otherwise rebuilt the lane addresses, the chunk bound (from the kernel
   // parameters) in every chunk, ~25 of the ~196 instructions of a non-filling warp (SASS).
@@ -296,29 +280,29 @@ __device__ __forceinline__ void mainloop(const Params& p, uint32_t smem_base, co
   auto refill = [&](int kn, int j, bool first_pass, uint32_t e_parity, bool skip_tma) {
     if (kn >= last) return;  // warp-uniform
     const int s = j % kStages;
-    if (!first_pass) sm90gemm::mbar_wait(empty_bar + s * 8, e_parity);
+    if (!first_pass) sm90::mbar_wait(empty_bar + s * 8, e_parity);
     const uint32_t full = full_bar + s * 8, stage = smem_base + s * kStageBytes;  // (slots, 512 B) ...
     // skip_tma: the prefetched chunks' weights are in flight already (the kernel's early start).
     if (tma_lane && !skip_tma) issue_weight_copies<C>(src, stage, full, kn);
     // Rows past the tile's are zero in every stage (zero_idle_act_row) and never copied.
     if (src.row_ok) {
-      const int col = kn * fp4layout::kChunkK + seg0 * 8;  // K % 16 == 0: a segment is wholly in or out
+      const int col = kn * nvfp4::kChunkK + seg0 * 8;  // K % 16 == 0: a segment is wholly in or out
       const uint32_t dst = copy_dst + s * kStageBytes;
       if (col + 8 * C::kLaneCopies <= p.K) {  // all 8 segments inside K: one base, immediate offsets
         const __nv_bfloat16* from = src.a_row + col;
 #pragma unroll
-        for (int i = 0; i < C::kLaneCopies; ++i) sm90gemm::cp_async16(dst + i * 16, from + 8 * i, 16u);
+        for (int i = 0; i < C::kLaneCopies; ++i) sm90::cp_async16(dst + i * 16, from + 8 * i, 16u);
       } else {  // the last chunk when K % 128 != 0: segments past K are zero-filled, nothing is read
         // NOTE: a rolled loop: this path runs once per CTA at most, but unrolled it was ~75 of the ~150
         // instructions of each refill copy in the unrolled main loop (SASS), which the SMs fetch.
 #pragma unroll 1
         for (int i = 0; i < C::kLaneCopies; ++i) {
           const bool ok = col + 8 * i < p.K;
-          sm90gemm::cp_async16(dst + i * 16, ok ? src.a_row + col + 8 * i : src.a_row, ok ? 16u : 0u);
+          sm90::cp_async16(dst + i * 16, ok ? src.a_row + col + 8 * i : src.a_row, ok ? 16u : 0u);
         }
       }
     }
-    cp_async_arrive_noinc(full);  // at once for a lane without copies
+    sm90::cp_async_arrive_noinc(full);  // at once for a lane without copies
   };
   // ldmatrix row address of this lane: matrices (tokens 0-7, seg 2s), (0-7, 2s+1), (8-15, 2s), (8-15, 2s+1)
   // for lanes 0-7, 8-15, 16-23, 24-31 (x2 uses the first two): row lr, segment 2s + hi.
@@ -348,17 +332,17 @@ __device__ __forceinline__ void mainloop(const Params& p, uint32_t smem_base, co
         if (j < kStages) refill(kc + kPrefetch, j, first, pass_parity ^ 1u, false);
         else refill(kc + kPrefetch, j, false, pass_parity, false);
       }
-      sm90gemm::mbar_wait(full_bar + d * 8, pass_parity);
+      sm90::mbar_wait(full_bar + d * 8, pass_parity);
       const uint32_t off = d * kStageBytes;
-      const uint4 wa = sm90gemm::lds128(wa_addr + off);
-      const uint4 wb = sm90gemm::lds128(wb_addr + off);
-      const uint2 sa = sm90gemm::lds64(sa_addr + off);
-      const uint2 sb = sm90gemm::lds64(sb_addr + off);
+      const uint4 wa = sm90::lds128(wa_addr + off);
+      const uint4 wb = sm90::lds128(wb_addr + off);
+      const uint2 sa = sm90::lds64(sa_addr + off);
+      const uint2 sb = sm90::lds64(sb_addr + off);
       const uint32_t stage = ldsm_base + off;
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
         uint32_t f[2][4];  // k16 steps 2q, 2q+1
-        sm90gemm::decode_fragments(wa, wb, sa, sb, q, f[0], f[1]);
+        nvfp4::decode_fragments(wa, wb, sa, sb, q, f[0], f[1]);
 #pragma unroll
         for (int st = 0; st < 2; ++st) {
           const int s = 2 * q + st;  // k16 step of the chunk: 16-byte segments 2s, 2s+1
@@ -367,21 +351,21 @@ __device__ __forceinline__ void mainloop(const Params& p, uint32_t smem_base, co
 #pragma unroll
             for (int q16 = 0; q16 < NT / 16; ++q16) {  // tokens 16 q16 .. 16 q16 + 15
               uint32_t b0, b1, b2, b3;
-              ldsm_x4(addr + q16 * 16 * kActRowStride, b0, b1, b2, b3);
-              mma_16816(acc[2 * q16], f[st], b0, b1);
-              mma_16816(acc[2 * q16 + 1], f[st], b2, b3);
+              sm90::ldsm_x4(addr + q16 * 16 * kActRowStride, b0, b1, b2, b3);
+              sm90::mma_16816(acc[2 * q16], f[st], b0, b1);
+              sm90::mma_16816(acc[2 * q16 + 1], f[st], b2, b3);
             }
           } else {
             uint32_t b0, b1;
-            ldsm_x2(addr, b0, b1);
-            mma_16816(acc[0], f[st], b0, b1);
+            sm90::ldsm_x2(addr, b0, b1);
+            sm90::mma_16816(acc[0], f[st], b0, b1);
           }
         }
       }
       // NOTE: every lane arrives (empty[] counts kThreads): a lane's arrival (release) orders its own
       // reads of the stage, whose results the MMAs above consumed, before any refill that waits on it.
       // One instruction per warp, where the elected arrival after __syncwarp cost ~4 (SASS).
-      sm90gemm::mbar_arrive(empty_bar + d * 8);
+      sm90::mbar_arrive(empty_bar + d * 8);
     }
     pass_parity ^= 1u;
   }
@@ -398,11 +382,6 @@ __device__ __forceinline__ void mainloop(const Params& p, uint32_t smem_base, co
 // other CTAs' released y visible; the barrier after it passes that on to the CTA, which reads y
 // through L2 (__ldcg), never a stale L1 line. No full fence per thread (the split-K path's pattern).
 // A token's rows lie in different tiles (different experts) or in this one; each row arrives once.
-__device__ __forceinline__ int atomic_add_acq_rel_gpu(int32_t* address, int value) {
-  int old;
-  asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;" : "=r"(old) : "l"(address), "r"(value) : "memory");
-  return old;
-}
 
 __device__ __forceinline__ void gemm2_finalize_tile(const Params& p, int ntile, int64_t row_start, int valid_rows,
                                                     int32_t* s_token) {
@@ -411,7 +390,7 @@ __device__ __forceinline__ void gemm2_finalize_tile(const Params& p, int ntile, 
   if (tid < valid_rows) {
     const int32_t token = p.row_to_entry[row_start + tid] / k;
     int32_t* counter = p.fin_counters + static_cast<int64_t>(token) * p.n_ctas + ntile;
-    const bool last = atomic_add_acq_rel_gpu(counter, 1) == k - 1;
+    const bool last = sm90::atomic_add_acq_rel_gpu(counter, 1) == k - 1;
     if (last) *counter = 0;  // every row of the token has arrived: ready for the next launch
     s_token[tid] = last ? token : -1;
   }
@@ -437,28 +416,18 @@ __device__ __forceinline__ void gemm2_finalize_tile(const Params& p, int ntile, 
 // the activations are read by cp.async.cg (L2), never a stale L1 line.
 // NOTE (no deadlock): a GEMM2 CTA becomes resident only once every GEMM1 CTA has triggered its
 // dependents (after its own wait) or left, so every GEMM1 CTA it may wait for already runs.
-__device__ __forceinline__ void signal_tile_ready(int32_t* flag) {
-  asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(flag) : "memory");
-}
-__device__ __forceinline__ uint64_t global_ns() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
+__device__ __forceinline__ void signal_tile_ready(int32_t* flag) { sm90::red_add_release_gpu(flag); }
 __device__ __forceinline__ void wait_tile_ready(const int32_t* flag, int count) {
-  auto ready = [&] {
-    int v;
-    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(flag) : "memory");
-    return v >= count;
-  };
+  auto ready = [&] { return sm90::ld_acquire_gpu(flag) >= count; };
   if (ready()) return;
-  const uint64_t t0 = global_ns();
+  const uint64_t t0 = sm90::global_ns();
   while (!ready()) {
     __nanosleep(64);
     // A GEMM1 that does not signal (a launch-order error) traps here after ~4 s instead of hanging.
-    if (global_ns() - t0 > 4000000000ull) __trap();
+    if (sm90::global_ns() - t0 > 4000000000ull) __trap();
   }
 }
+
 
 // ---- GEMM1 epilogue: one (token, 2 columns) pair per thread -----------------------------------------
 // The arithmetic of sm90gemm::gemm1_items (activation, then the NVFP4 fake-quantization of each
@@ -495,8 +464,8 @@ __device__ __forceinline__ void gemm1_pairs(const Params& p, const float* stg, c
         u1 = __fadd_rn(u1, bias[p.out_cols + col + 1]);
       }
     }
-    float x0 = sm90gemm::activation<K>(p.act, h0, u0, sm90gemm::activation_denominator<K>(p.act, h0));
-    float x1 = sm90gemm::activation<K>(p.act, h1, u1, sm90gemm::activation_denominator<K>(p.act, h1));
+    float x0 = expert_gemm::activation<K>(p.act, h0, u0, expert_gemm::activation_denominator<K>(p.act, h0));
+    float x1 = expert_gemm::activation<K>(p.act, h1, u1, expert_gemm::activation_denominator<K>(p.act, h1));
     if (p.quantize) {  // kernel-uniform
       float amax = nvfp4::amax_update(nvfp4::amax_update(0.0f, x0), x1);
 #pragma unroll
@@ -512,7 +481,7 @@ __device__ __forceinline__ void gemm1_pairs(const Params& p, const float* stg, c
   }
 }
 
-// gemm1_pairs as a sm90gemm::gemm1_epilogue loop (that function's setup: valid columns, the expert's
+// gemm1_pairs as an expert_gemm::gemm1_epilogue loop (that function's setup: valid columns, the expert's
 // re-quantization scale, the activation kind as a template parameter).
 template <int kStride>
 struct Gemm1Pairs {
@@ -538,7 +507,7 @@ __global__ void __launch_bounds__(kThreads, StreamTile<TileRows>::kCtasPerSm)
   extern __shared__ __align__(128) uint8_t smem[];  // C::kSmemBytes: the ring, mbarriers
   __shared__ int s_last;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
-  const uint32_t smem_base = sm90gemm::smem_addr(smem);
+  const uint32_t smem_base = sm90::smem_addr(smem);
   const Params& p = sp.base;
   // The early start (GemmEarlyStart, kernel-uniform): AfterWait waits here; TileTable finds the tile,
   // issues the ring's first weight copies and then waits (below).
@@ -575,12 +544,12 @@ __global__ void __launch_bounds__(kThreads, StreamTile<TileRows>::kCtasPerSm)
   // NOTE: the barriers and the map prefetch do not depend on the previous kernel: before its wait.
   if (tid == 0) {
     for (int i = 0; i < C::kStages; ++i) {
-      sm90gemm::mbar_init(smem_base + C::kBarrierOffset + i * 8, C::kFullArrivals);        // full[i]
-      sm90gemm::mbar_init(smem_base + C::kBarrierOffset + (C::kStages + i) * 8, kThreads);  // empty[i]
+      sm90::mbar_init(smem_base + C::kBarrierOffset + i * 8, C::kFullArrivals);        // full[i]
+      sm90::mbar_init(smem_base + C::kBarrierOffset + (C::kStages + i) * 8, kThreads);  // empty[i]
     }
-    sm90gemm::mbar_init_fence();
-    sm90gemm::tma_prefetch(&maps.w);
-    sm90gemm::tma_prefetch(&maps.scale);
+    sm90::mbar_init_fence();
+    sm90::tma_prefetch(&maps.w);
+    sm90::tma_prefetch(&maps.scale);
   }
   const int valid_rows =
       static_cast<int>(min(static_cast<int64_t>(kTileRows), __ldcg(p.expert_offsets + expert + 1) - tile_row0));
@@ -617,7 +586,7 @@ __global__ void __launch_bounds__(kThreads, StreamTile<TileRows>::kCtasPerSm)
   const int c0 = split * sp.chunks_per_split;
   const int c1 = min(p.chunks, c0 + sp.chunks_per_split);
   // NOTE: the chunks the main loop prefetches (kPrefetch), not the whole first pass (kStages): skipping
-  // copies inside the loop cost a select per refill there, ~1% at T >= 8 (docs/perf.md, eleventh session).
+  // copies inside the loop cost a select per refill there, ~1% at T >= 8.
   if (issue_early && tid == 0) {  // the prefetched chunks' weights (the mbarriers are this thread's)
 #pragma unroll
     for (int j = 0; j < C::kPrefetch; ++j)
@@ -726,7 +695,7 @@ __global__ void __launch_bounds__(kThreads, StreamTile<TileRows>::kCtasPerSm)
         const int tok = 8 * h + 2 * t + (r & 1);
         if (tok < valid_rows && n < p.N) {
           const int64_t e = entry[h][r & 1];
-          const float y = sm90gemm::epilogue_scale(alpha, acc[h][r]);
+          const float y = expert_gemm::epilogue_scale(alpha, acc[h][r]);
           if (top1) p.out[e * p.N + n] = __float2bfloat16_rn(__fadd_rn(0.0f, __fmul_rn(w[h][r & 1], y)));
           else p.y[e * p.N + n] = y;
         }
@@ -746,13 +715,13 @@ __global__ void __launch_bounds__(kThreads, StreamTile<TileRows>::kCtasPerSm)
     for (int h = 0; h < kHalves; ++h) {
       const int tok = 8 * h + 2 * t;
       *reinterpret_cast<float2*>(stg + row_g * kStgStride + tok) = make_float2(
-          sm90gemm::epilogue_scale(alpha, acc[h][0]), sm90gemm::epilogue_scale(alpha, acc[h][1]));
+          expert_gemm::epilogue_scale(alpha, acc[h][0]), expert_gemm::epilogue_scale(alpha, acc[h][1]));
       *reinterpret_cast<float2*>(stg + row_g8 * kStgStride + tok) = make_float2(
-          sm90gemm::epilogue_scale(alpha, acc[h][2]), sm90gemm::epilogue_scale(alpha, acc[h][3]));
+          expert_gemm::epilogue_scale(alpha, acc[h][2]), expert_gemm::epilogue_scale(alpha, acc[h][3]));
     }
     __syncthreads();
     const int cols_cta = gated ? kRowsPerCta / 2 : kRowsPerCta;
-    sm90gemm::gemm1_epilogue<Gemm1Pairs<kStgStride>>(p, stg, ntile * cols_cta, cols_cta, row_start, valid_rows,
+    expert_gemm::gemm1_epilogue<Gemm1Pairs<kStgStride>>(p, stg, ntile * cols_cta, cols_cta, row_start, valid_rows,
                                                      s_act_scale, expert);
     if (sp.tile_ready != nullptr) {  // kernel-uniform
       __syncthreads();  // every act store of the CTA

@@ -1,5 +1,5 @@
-// kernels/expert_gemm_layout.cuh — the prepacked NVFP4 weight layout of the expert GEMMs and its
-// register decoder, shared by the host prepack (weight_prepack.cu), the kernel and the tests.
+// kernels/nvfp4/weight_layout.cuh — the prepacked NVFP4 weight layout of the expert GEMMs and its
+// register decoder, shared by the host prepack (weight_prepack.cu), the kernels and the tests.
 //
 // Why a prepacked layout: each consumer thread of the GEMM needs, per 16x16 (rows x K) MMA fragment,
 // its 8 weights in the mma/wgmma A-fragment order (PTX ISA, m16n8k16 / m64nNk16 register A, .bf16):
@@ -29,7 +29,7 @@
 // on the integer pipe per word instead of 5 LOP3 + 4 SHF (rotations only; decode rows 0.984, prefill
 // 0.98). At least one rotation is needed: the four outputs' low-half targets (bits 6..8) need 12
 // sources at or below bit 8. The FMA pipe now carries about as much (IMAD + HMUL2): moving the scale
-// multiply there as well was slower (docs/perf.md, twenty-ninth session).
+// multiply there as well was slower.
 // Each half then holds the e2m1 code as a bf16 bit pattern: sign at bit 15, the 2 exponent bits and
 // the mantissa bit at bits 8..6, i.e. exactly q * 2^-126 (q = +-{0,.5,1,1.5,2,3,4,6}; 0.5 is a bf16
 // subnormal). kSlot below lists, per output register and half, which word bits hold sign/E1/E0/M.
@@ -47,7 +47,7 @@
 
 #include "kernels/host_device.cuh"
 
-namespace fp4moe::kernels::fp4layout {
+namespace fp4moe::kernels::nvfp4 {
 
 inline constexpr int kRowsPerGroup = 8;      // weight rows of one row group
 inline constexpr int kChunkK = 128;          // K elements of one chunk
@@ -121,4 +121,4 @@ inline int64_t scale_offset(int64_t expert, int64_t group, int64_t chunk, int64_
   return ((expert * groups + group) * chunks + chunk) * kChunkScaleBytes;
 }
 
-}  // namespace fp4moe::kernels::fp4layout
+}  // namespace fp4moe::kernels::nvfp4

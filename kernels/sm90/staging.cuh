@@ -1,4 +1,4 @@
-// kernels/expert_gemm_staging.cuh — the staging tile of the wgmma kernel's GEMM1 epilogue and the
+// kernels/sm90/staging.cuh — the staging tile of the wgmma kernel's GEMM1 epilogue and the
 // order of its items, host- and device-side, so that a CPU test (expert_gemm_staging_cpu_test.cpp)
 // checks what the kernel relies on: every (token, 16-column block) item exactly once, the item loads
 // of a warp on 32 banks, the accumulators' float2 staging stores on 32 banks per 16-lane phase.
@@ -12,7 +12,7 @@
 
 #include "kernels/host_device.cuh"
 
-namespace fp4moe::kernels::staging {
+namespace fp4moe::kernels::sm90::staging {
 
 // Floats that row r starts after r * stride: uniform over the 8 rows of a float2 staging store's
 // phase (rows 8m..8m+7 share r / 16), different for 4 consecutive 16-row blocks.
@@ -34,4 +34,4 @@ FP4MOE_HD constexpr Item item(int index, int blocks) {
   return Item{(rest / blocks) * 8 + (index & 7), rest % blocks};
 }
 
-}  // namespace fp4moe::kernels::staging
+}  // namespace fp4moe::kernels::sm90::staging

@@ -1,5 +1,6 @@
-// kernels/nvfp4_device.cuh — device-side NVFP4 codecs and block quantization, bit-exact with
-// include/fp4moe/format.hpp (format/codecs.cpp, format/nvfp4.cpp) and DESIGN.md §1.
+// kernels/nvfp4/codec.cuh — device-side NVFP4 codecs and block quantization, bit-exact with
+// include/fp4moe/format.hpp (format/codecs.cpp, format/nvfp4.cpp) and (docs/numerics.md, "Formats and
+// block quantization").
 //
 // Quantizing one block of 16 values x with the global inverse scale gs = 1 / input_scale:
 //   1. amax = max |x_i|, NaN-propagating (a NaN element makes amax NaN)
@@ -109,7 +110,7 @@ __device__ __forceinline__ uint32_t nvfp4_quantize_value(float x, float osc) {
 // steps are powers of two), saturated at 6; the sign is y's (-0 for small negatives), and NaN gives
 // code 7, i.e. +6. The grid's ties (0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4,
 // 5 -> 4) are rint's ties to even; equal to the threshold count it replaces for every float bit
-// pattern (exhaustive host check, docs/perf.md twenty-fourth session).
+// pattern (an exhaustive host check).
 // NOTE: the compiler turns e2m1_from_float's if-chain into divergent branches per element, which
 // dominated the GEMM1 epilogue and the activation quantization; the threshold count that replaced it
 // (seven compare, select and add steps) was ~25 instructions per element, this form ~13.
@@ -190,7 +191,8 @@ __device__ __forceinline__ void store_bf16x16(__nv_bfloat16* dst, const float (&
   p[1] = make_uint4(w[4], w[5], w[6], w[7]);
 }
 
-// ---- the top-k finalize's arithmetic (DESIGN.md §1 step 6), for 8 consecutive columns ------------------
+// ---- the top-k finalize's arithmetic, for 8 consecutive columns ------------------------------------
+// (docs/numerics.md, "The layer, step by step": the finalize step)
 // Shared by the finalize kernel and GEMM2's fused finalize, so both give the same bits.
 // acc[q] = acc[q] + w * y[q]: separately rounded (never contracted into an FMA). y is read through L2
 // (__ldcg): in the fused finalize other CTAs of the same launch wrote it, so no stale L1 line is used.
@@ -221,7 +223,7 @@ __device__ __forceinline__ void finalize_add_slot8(float (&acc)[8], float w, con
 // NOTE (bias in the second loop): nothing in the load loop may read a loaded y. The bias add once sat
 // there, as adds predicated on `bias != nullptr`; a predicated-off FADD still waits for its source
 // registers, so every slot's loads waited for the previous slot's (SASS: LDG, LDG, @P FADD x 8 per
-// slot) and the separate finalize ran 1.3-1.6x slower without any bias (docs/perf.md, 2026-12-05).
+// slot) and the separate finalize ran 1.3-1.6x slower without any bias.
 template <int kInFlight>
 __device__ __forceinline__ void finalize_token8(float (&acc)[8], int k, int64_t entry0, const float* weights,
                                                 const int32_t* ids, int num_experts, const float* y,
