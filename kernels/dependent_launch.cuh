@@ -43,7 +43,7 @@ __device__ __forceinline__ void dependent_launch_prologue() {
 }
 
 // FP4MOE_PDL=0 (read once per process) launches every kernel without the attribute: plain stream
-// order, for measuring what dependent launch gains or costs (docs/perf.md).
+// order, for measuring what dependent launch gains or costs.
 inline bool dependent_launch_enabled() {
   static const bool enabled = [] {
     const char* v = std::getenv("FP4MOE_PDL");

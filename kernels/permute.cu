@@ -54,7 +54,7 @@ struct PermuteShared {
 // loaded once, all before the first use (-1 past the chunk's end).
 // NOTE (all loads first, runs over every warp): with 256-entry runs and one load per step between
 // match_any rounds, a 512-entry permutation kept 2 of 16 warps busy for 8 dependent L2 round trips,
-// twice (count, scatter): the ~11 us permute stage at 256..1024 entries (docs/perf.md, fifteenth session).
+// twice (count, scatter): the ~11 us permute stage at 256..1024 entries.
 struct RunBuckets {
   int b[kStepsPerWarp];
   int64_t first;  // entry of step 0, lane 0

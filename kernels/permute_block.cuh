@@ -82,7 +82,7 @@ __device__ __forceinline__ void clear_words(const PermuteArgs& a) {
 //      so the order is the histogram kernel's (stable, by entry).
 // NOTE: steps 2 and 4 cost O(n) shared-memory reads per thread (n <= 256: ~1 us each, estimated from
 // the instruction count); the histogram path's barriers cost a fixed 8-9 us of stage time at 64-1024
-// entries (decode stage times, docs/perf.md fifteenth session).
+// entries (decode stage times).
 // The ids are read through L2 (__ldcg) when they come from global memory: another kernel, or another
 // warp of the block, wrote them. The route launch passes its shared-memory copy instead (no round trip).
 struct SmallShared {
@@ -149,10 +149,9 @@ __device__ __forceinline__ void permute_small_block(const PermuteArgs& a, SmallS
 // 256 entries x 5 instructions, SASS count); here each entry reads at most 31 counts in step 4. From
 // 257 to 512 entries it replaced permute_fused_kernel (a 16 x (E+1) histogram, ~10 block barriers:
 // 7.5 us of stage time at qwen3-235b-a22b T = 64); the second entry per thread takes it to 1024 entries
-// (permute_fused_kernel took 6-10 us at 1024 entries, T = 128 with top-8: docs/perf.md, thirty-first
-// session). Used by the permute launch only: in the route launch that permutes (kernels/route.cu) this
-// form made the route stage faster but the qwen3 layers slower at T = 1 and 16 (A/B, docs/perf.md
-// seventeenth session), not explained; there permute_small_block stays.
+// (permute_fused_kernel took 6-10 us at 1024 entries, T = 128 with top-8). Used by the permute launch
+// only: in the route launch that permutes (kernels/route.cu) this form made the route stage faster but
+// the qwen3 layers slower at T = 1 and 16 (A/B), not explained; there permute_small_block stays.
 inline constexpr int kEntriesPerThread = 2;
 inline constexpr int kWarpCountEntries = kEntriesPerThread * kThreads;  // permute_small_block_by_warp_counts's limit
 inline constexpr int kEntryWarps = kWarpCountEntries / 32;

@@ -5,7 +5,7 @@ The separate finalize (kernels/finalize.cu, nvfp4::finalize_token8) is bound by 
 with the y loads of all 8 slots in flight it reads fp32 y at about the copy rate. A floating-point use of
 a loaded y inside the load loop (as the expert-bias add once was, predicated on `bias != nullptr`)
 makes every slot's loads wait for the previous slot's, and the stage ran 1.3-1.6x slower with no bias
-at all (docs/perf.md, 2026-12-05). This check compiles finalize.cu to PTX with the build's nvcc and
+at all. This check compiles finalize.cu to PTX with the build's nvcc and
 asserts that the kernel's first 16 y loads (ld.global.cg.v4.f32: 2 per slot, 8 slots) come before its
 first fp32 add or multiply. No GPU needed.
 

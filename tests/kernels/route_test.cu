@@ -1,4 +1,4 @@
-// tests/kernels/route_test.cu — launch_route against reference::route (DESIGN.md §4).
+// tests/kernels/route_test.cu — launch_route against reference::route (docs/numerics.md, "Routing methods").
 //
 // Every routing method, E in {8, 16, 128, 256, 512}, k in {1, 2, 4, 8, 32} (k <= E), fp32 and bf16
 // logits, logits with exact ties, NaN logits, DeepSeekV3 with and without groups, T from 0 to 8193.
