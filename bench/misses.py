@@ -8,7 +8,7 @@ Markdown table per target with the measured figures that say where each row's ti
   decode rows (T <= 256): median, target, median / target, the GEMM stages against the weight bytes
     (TB/s, and the copy ceiling of the same run), the other stages (route, quantize, permute,
     finalize) in us, the tactic.
-  Each row's "why": the causes of docs/perf.md's misses that apply to it, each with the row's figure
+  Each row's "why": the measured causes of misses (docs/performance.md, "What limits each regime") that apply to it, each with the row's figure
     (GEMM rate against the bf16 ceiling, token rows per expert, the finalize's share, the capped clock,
     K = 768; decode: the GEMMs' time over the weights' copy time, the other stages, the T regime).
 
@@ -53,7 +53,7 @@ def clock(row):
 
 
 def prefill_why(row, g1, g2, finalize_pct, bf16_tflops):
-    """The causes the perf log measured (docs/perf.md, "What is next"), each with this row's figure."""
+    """The causes the perf log measured (docs/performance.md, "What limits each regime"), each with this row's figure."""
     why = []
     if g1 != "-" and bf16_tflops:
         lo, hi = sorted((float(g1), float(g2)))

@@ -17,7 +17,7 @@ kernel's mma.sync) into three regions:
 and prints per region the warp samples, the instructions executed and the largest stall reasons,
 then the --top instructions with the most samples. A sampler picks one warp per SM sub-partition and
 interval, so a region that only one warp of a CTA runs counts about four times its sample share in
-wall time (docs/perf.md, seventh session).
+wall time.
 """
 import argparse
 import collections

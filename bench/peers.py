@@ -59,7 +59,7 @@ DEFAULT_MODELS = "deepseek-r1,qwen3-30b-a3b,llama4-scout"
 DEFAULT_TOKENS = "1,8,64,256,1024,4096,16384"
 FP8_MAX = 448.0
 
-# The presets of DESIGN.md §3 (format/presets.cpp): E, H, I, k, routing, activation.
+# The presets of format/presets.cpp (docs/architecture.md, "Interfaces"): E, H, I, k, routing, activation.
 PRESETS = {
     "deepseek-r1": dict(E=256, H=7168, I=2048, k=8, routing="deepseek_v3", n_group=8, topk_group=4,
                         scale=2.5, weight_on_input=False, act="swiglu"),
@@ -91,7 +91,7 @@ def median(v):
 
 
 def floor_model(p, T, hit, copy_tbps, bf16_tflops):
-    """The floor of DESIGN.md §5, computed exactly as runner/bench.cu does."""
+    """The floor (docs/performance.md, "Method"), computed exactly as runner/bench.cu does."""
     n13 = 2 * p["I"]  # gated activations: w13 = [gate; up]
     params = n13 * p["H"] + p["H"] * p["I"]
     weight_bytes = hit * params * 0.5625
@@ -248,7 +248,7 @@ def torch_ceilings(reps=10):
 
 
 def route(p, logits, bias):
-    """The preset's routing method (DESIGN.md §4) in torch: -> ids int64 [T,k] (descending score), w fp32 [T,k]."""
+    """The preset's routing method (docs/numerics.md, "Routing methods") in torch: -> ids int64 [T,k] (descending score), w fp32 [T,k]."""
     s = logits.float()
     k = p["k"]
     m = p["routing"]
@@ -915,7 +915,7 @@ def main(argv=None):
     if fp:
         doc["ceilings"]["fp4moe"] = dict(fp.get("ceilings", {}))
         doc["gpu"], doc["sm_count"] = fp.get("gpu"), fp.get("sm_count")
-        # "read" (the L2 left clean) since 2026-12-04; results written before say nothing: "write" (memset)
+        # "read" (the L2 left clean) is the default; a bench JSON without the key used "write" (memset)
         doc["fp4moe_l2_flush"] = fp.get("l2_flush", "write")
         for r in fp.get("rows", []):
             fp_rows[(r["model"], int(r["tokens"]))] = r

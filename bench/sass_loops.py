@@ -15,7 +15,7 @@ an opcode histogram. Out-of-line retry paths (an mbarrier try-wait branching bac
 from the end of the function) look like loops spanning most of the function; loops longer than
 --max-share of the function (default 0.5) are left out.
 
-Used for the instruction counts in docs/perf.md (e.g. `--need HGMMA` for the wgmma consumer loop,
+Gives the instruction counts of the performance analysis (e.g. `--need HGMMA` for the wgmma consumer loop,
 `--need LDGSTS` for its producer loops, `--need HMMA` for the streaming kernel's main loop).
 """
 import argparse

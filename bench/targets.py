@@ -47,7 +47,7 @@ def main(argv):
         with open(path) as f:
             data = json.load(f)
         rows += data.get("rows", [])
-        flushes.add(data.get("l2_flush", "write"))  # files written before 2026-12-04 say nothing: memset
+        flushes.add(data.get("l2_flush", "write"))  # a file without the key was written with the memset flush
     if not rows:
         print("targets.py: no rows in " + ", ".join(argv[1:]), file=sys.stderr)
         return 2

@@ -1,4 +1,4 @@
-// format/codecs.cpp — e2m1, e4m3fn, ue8m0 and bf16 scalar codecs (DESIGN.md §1).
+// format/codecs.cpp — e2m1, e4m3fn, ue8m0 and bf16 scalar codecs (docs/numerics.md, "Formats and block quantization").
 //
 // Steps of every encoder: (1) special values (NaN, sign); (2) scale |x| by a power of two so that the
 // target's quantum becomes 1 (exact in double); (3) round to nearest, ties to even (std::nearbyint in

@@ -1,4 +1,4 @@
-// format/nvfp4.cpp — NVFP4 block quantization and dequantization (DESIGN.md §1).
+// format/nvfp4.cpp — NVFP4 block quantization and dequantization (docs/numerics.md, "Formats and block quantization").
 //
 // Per row, per block of 16 consecutive elements:
 //   1. gs   = 1.0f / input_scale                          (fp32 division, once per call)

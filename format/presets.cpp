@@ -1,4 +1,4 @@
-// format/presets.cpp — the model presets of DESIGN.md §3.
+// format/presets.cpp — the model presets (docs/architecture.md, "Interfaces").
 //
 // Each preset is a table row (name, E, H, I, k, routing, activation); preset() copies the row into a
 // MoeProblem, sets the caller's quantization mode and validates it. Unknown names list the known ones.

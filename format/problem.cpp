@@ -1,6 +1,6 @@
-// format/problem.cpp — names, parsing, validation and description of MoeProblem (DESIGN.md §1, §3, §4).
+// format/problem.cpp — names, parsing, validation and description of MoeProblem (docs/numerics.md, docs/architecture.md "Interfaces").
 //
-// Steps: one table per enum maps the value to its snake_case name (DESIGN.md §3); parsing looks the
+// Steps: one table per enum maps the value to its snake_case name (docs/case-file.md); parsing looks the
 // name up in that table and, on failure, throws an error that lists every accepted name. validate()
 // checks sizes, top-k, and the method/activation-specific parameters, naming the field, the expected
 // and the actual value.

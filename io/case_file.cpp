@@ -1,4 +1,4 @@
-// io/case_file.cpp — the case-file interface of DESIGN.md §3: load_case / save_case, the OUT file
+// io/case_file.cpp — the case-file interface (docs/case-file.md): load_case / save_case, the OUT file
 // (save_result / load_result) and random cases for tests and `fp4moe demo`.
 //
 // load_case, in order (every failure throws fp4moe::Error starting with "case file 'PATH'"):

@@ -1,4 +1,4 @@
-// reference/moe.cpp — the CPU MoE layer of DESIGN.md §1 (the oracle every GPU kernel is tested against).
+// reference/moe.cpp — the CPU MoE layer of docs/numerics.md, "The layer, step by step" (the oracle every GPU kernel is tested against).
 //
 // moe_forward, for T tokens, top-k, entry = token-slot pair t*k + j, e = id of the entry:
 //   0. Check every argument (fp4moe::Error naming it); T = 0 returns empty results.

@@ -1,4 +1,4 @@
-// reference/routing.cpp — the routing methods of DESIGN.md §4 on the CPU (oracle of the GPU router).
+// reference/routing.cpp — the routing methods (docs/numerics.md, "Routing methods") on the CPU (oracle of the GPU router).
 //
 // Per token t (logits s = row t of [T, E], fp32):
 //   1. Selection: the k best experts by a choice score, best first. The choice score is the raw

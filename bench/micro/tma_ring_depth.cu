@@ -24,7 +24,7 @@
 // Reading the output: grid 99-132 is a one-wave decode grid (T = 1, one CTA per SM); if its time per
 // chunk falls with `prefetch`, bytes in flight bound the GEMM there; if layout 1 is faster than 0, the
 // placement of a chunk's bytes in HBM does; `write` against `read` is the cost of the dirty L2.
-// H200, 2026-12-04 (docs/perf.md, thirtieth session): layouts 0 and 1 within 3%; layout 2 1.3-1.6x
+// H200: layouts 0 and 1 within 3%; layout 2 1.3-1.6x
 // slower at one CTA per SM (17 copies per chunk); 132 CTAs x 16 chunks, prefetch 2: write 12.99 us,
 // read 10.75 us (4.1 us of it launch and events).
 #include <cuda.h>  // CUtensorMap

@@ -1,4 +1,4 @@
-// fp4moe/case_file.hpp — the case-file interface of DESIGN.md §3 (`fp4moe run --case`).
+// fp4moe/case_file.hpp — the case-file interface (docs/case-file.md; `fp4moe run --case`).
 #pragma once
 
 #include <cstdint>

@@ -1,5 +1,5 @@
 // fp4moe/checkpoint.hpp — NVFP4 MoE checkpoints (Hugging Face directories): config, loading one
-// layer into the canonical layout of DESIGN.md §3, inspection, and small fixtures for tests.
+// layer into the canonical layout (docs/case-file.md), inspection, and small fixtures for tests.
 //
 // A checkpoint directory holds config.json, the quantization description (hf_quant_config.json of
 // NVIDIA ModelOpt, or config.json's "quantization_config" of compressed-tensors / ModelOpt) and the
@@ -8,7 +8,7 @@
 // hold the tensors asked for are opened.
 //
 // Formats (per expert projection P = gate / up / down; "dequant direction" = the value multiplies
-// the stored number, DESIGN.md §1):
+// the stored number, docs/numerics.md, "Formats and block quantization"):
 //   ModelOpt NVFP4        P.weight U8 [out, in/2], P.weight_scale F8_E4M3 [out, in/16],
 //                         P.weight_scale_2 F32 [] or [1], P.input_scale F32 [] or [1]  (dequant direction)
 //   compressed-tensors    P.weight_packed, P.weight_scale (same as above), P.weight_global_scale,
@@ -116,7 +116,7 @@ struct ScaleFusionReport {
   double worst_relative_change = 0;   // of an effective block scale (float(b) * s_2)
 };
 
-// One MoE layer in the canonical layout of DESIGN.md §3, owned in host memory.
+// One MoE layer in the canonical layout (docs/case-file.md), owned in host memory.
 struct MoeLayerWeights {
   MoeProblem problem;            // num_experts = the local expert count
   int64_t layer = 0;

@@ -1,4 +1,4 @@
-// fp4moe/format.hpp — NVFP4 number formats, block quantization and scale-factor layouts (DESIGN.md §1).
+// fp4moe/format.hpp — NVFP4 number formats, block quantization and scale-factor layouts (docs/numerics.md, "Formats and block quantization").
 //
 // Everything here is plain IEEE fp32 host code, bit-exact to the numerics contract; the GPU kernels
 // are tested against it.
@@ -32,7 +32,7 @@ float bf16_to_float(uint16_t bits);
 
 // ---- NVFP4 block quantization --------------------------------------------------------------------
 // Quantizes `rows` rows of `cols` fp32 values (cols % 16 == 0) with the input scale `input_scale`
-// (dequant direction, > 0 and finite), exactly as DESIGN.md §1:
+// (dequant direction, > 0 and finite), exactly as docs/numerics.md, "Formats and block quantization":
 //   packed  [rows, cols/2]  two e2m1 codes per byte, element 2j in the low nibble of byte j
 //   scales  [rows, cols/16] e4m3 block scales, linear (row-major) layout
 // Throws fp4moe::Error on bad arguments.

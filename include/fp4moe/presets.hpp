@@ -1,4 +1,4 @@
-// fp4moe/presets.hpp — the model presets of DESIGN.md §3.
+// fp4moe/presets.hpp — the model presets (docs/architecture.md, "Interfaces").
 #pragma once
 
 #include <string>

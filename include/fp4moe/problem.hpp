@@ -1,4 +1,4 @@
-// fp4moe/problem.hpp — the MoE problem as plain, printable structs (DESIGN.md §1, §3, §4).
+// fp4moe/problem.hpp — the MoE problem as plain, printable structs (docs/numerics.md, docs/architecture.md "Interfaces").
 //
 // The problem says WHAT is computed (shapes, routing, activation, quantization mode). How it is
 // computed (tiles, stages, kernel family) is a tactic and lives elsewhere.
@@ -10,7 +10,7 @@
 
 namespace fp4moe {
 
-// Routing methods of DESIGN.md §4, by their snake_case names.
+// Routing methods (docs/numerics.md, "Routing methods"), by their snake_case names.
 enum class RoutingMethod {
   Default,           // softmax over E, top-k, no renormalisation
   Renormalize,       // top-k on logits, softmax over the k

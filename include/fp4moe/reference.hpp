@@ -1,4 +1,4 @@
-// fp4moe/reference.hpp — the CPU oracle of DESIGN.md §1 and §4.
+// fp4moe/reference.hpp — the CPU oracle of the numerics contract (docs/numerics.md).
 //
 // Exact to the numerics contract up to fp32 summation order: every GPU kernel is tested against it,
 // and `fp4moe run --device cpu` runs it. All tensors are host memory, row-major, dense.
@@ -11,7 +11,7 @@
 
 namespace fp4moe::reference {
 
-// ---- routing (DESIGN.md §4) -----------------------------------------------------------------------
+// ---- routing (docs/numerics.md, "Routing methods") ------------------------------------------------
 struct Routing {
   std::vector<int32_t> ids;    // [T, k] expert ids, slots in descending score order (ties: lower id)
   std::vector<float> weights;  // [T, k] routing weights (before apply_router_weight_on_input)
@@ -25,12 +25,12 @@ struct Routing {
 Routing route(const RoutingParams& params, int64_t num_tokens, int64_t num_experts,
               const float* logits, const float* bias);
 
-// ---- activation (DESIGN.md §1 step 4), fp32 -------------------------------------------------------
+// ---- activation (docs/numerics.md, "The layer, step by step", step 4), fp32 ------------------------
 // For gated activations `gate` and `up` are the two halves; for Relu2 `up` is ignored.
 float apply_activation(const ActivationParams& act, float gate, float up);
 
 // ---- the layer ------------------------------------------------------------------------------------
-// Quantized weights in the canonical layout of DESIGN.md §3 (linear scales).
+// Quantized weights in the canonical layout (docs/case-file.md; linear scales).
 struct MoeWeights {
   const uint8_t* w13 = nullptr;            // [E, w13_rows, H/2]  e2m1 pairs
   const uint8_t* w13_scale = nullptr;      // [E, w13_rows, H/16] e4m3

@@ -1,5 +1,5 @@
 // fp4moe/weight_layout.hpp — the expert weights' input layouts, brought to the canonical one of
-// DESIGN.md §3 (linear block scales, w13 rows [gate; up]) once at weight preparation (the GPU runner's
+// docs/case-file.md (linear block scales, w13 rows [gate; up]) once at weight preparation (the GPU runner's
 // MoeRunner::prepare_weights and the Python layer's CPU backend both start from it), and the
 // tensor-parallel shards of canonical weights.
 #pragma once

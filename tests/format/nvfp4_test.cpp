@@ -1,4 +1,4 @@
-// tests/format/nvfp4_test.cpp — NVFP4 block quantization (DESIGN.md §1) on hand-computed vectors:
+// tests/format/nvfp4_test.cpp — NVFP4 block quantization (docs/numerics.md, "Formats and block quantization") on hand-computed vectors:
 // identity scale, a tie-exercising block, an all-zero block, a block whose scale saturates at 448,
 // NaN/inf blocks, dequantization, argument errors, and a randomized cross-check against the formula
 // evaluated step by step with brute-force codecs.
@@ -147,7 +147,7 @@ TEST(FormatNvfp4, NonFiniteElementsStayInTheirBlock) {
   EXPECT_EQ(deq[32], 6.0f * 448.0f);
 }
 
-// Independent step-by-step evaluation of DESIGN.md §1 with brute-force nearest codecs.
+// Independent step-by-step evaluation of docs/numerics.md, "Formats and block quantization" with brute-force nearest codecs.
 uint8_t nearest_code(float v, int ncodes, float (*decode)(uint8_t), uint8_t sign_bit) {
   const double a = std::fabs(static_cast<double>(v));
   int best = 0;

@@ -1,4 +1,4 @@
-// tests/io/case_file_test.cpp — case files (DESIGN.md §3): save/load round trips for every kind of
+// tests/io/case_file_test.cpp — case files (docs/case-file.md): save/load round trips for every kind of
 // case, random cases, the OUT file, and every error of a bad case with its message checked.
 #include "fp4moe/case_file.hpp"
 

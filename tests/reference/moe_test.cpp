@@ -5,7 +5,7 @@
 //    exactly representable FP4 values with power-of-two block scales, so every intermediate value is
 //    exact and the expected outputs are written out in the test; w4a16 and both w4a4 modes, the
 //    lossy w4a4 quantization of a block whose amax is 4, apply_router_weight_on_input.
-// 3. Random layers against a straightforward single-threaded implementation of DESIGN.md §1 written
+// 3. Random layers against a straightforward single-threaded implementation of docs/numerics.md, "The layer, step by step", written
 //    here (every mode, activation and a few routing methods), bit for bit.
 // 4. Every argument error with its message.
 #include <gtest/gtest.h>
@@ -454,7 +454,7 @@ TEST(ReferenceMoe, NonFiniteInputPoisonsOnlyItsToken) {
 }
 
 // ---- 3. random layers against a plain implementation ----------------------------------------------
-// Straight from DESIGN.md §1, one token-slot at a time, sums in order.
+// Straight from docs/numerics.md, "The layer, step by step": one token-slot at a time, sums in order.
 std::vector<uint16_t> plain_moe(const Layer& L, const std::vector<int32_t>& ids,
                                 const std::vector<float>& w) {
   const MoeProblem& p = L.problem;

@@ -1,4 +1,4 @@
-// tests/reference/routing_test.cpp — reference::route, every method of DESIGN.md §4 on hand-computed
+// tests/reference/routing_test.cpp — reference::route, every method of docs/numerics.md, "Routing methods", on hand-computed
 // examples: selection order and exact ties (lower id first), the weight formula of each method (the
 // expected values come from plain formulas written out here), DeepSeekV3 group selection, bias and
 // scaling factor, the NaN policy, and every argument error.
