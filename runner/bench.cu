@@ -443,8 +443,8 @@ std::vector<BenchRow> bench_rows(const std::string& model, const MoeProblem& p, 
     Events marks(kForwardStages + 1);
     std::vector<std::vector<double>> st(kForwardStages);
     {
-      const CapturedGraph marked(stream,
-                                 [&](cudaStream_t s) { return forward_marked(*runner, s, a, routed, marks.ev.data()); });
+      const CapturedGraph marked(
+          stream, [&](cudaStream_t s) { return forward_marked(*runner, s, a, routed, marks.ev.data()); });
       for (int i = 0; i < 5; ++i) {
         flush(stream, i);
         marked.launch(stream);

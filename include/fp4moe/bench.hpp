@@ -81,8 +81,9 @@ struct BenchOptions {
   int reps = 30;   // >= 20
   // NOTE (power state): on an H200 the replays of a large row run 7-17% slower once the board has been
   // busy for ~20-60 ms, so a row's median depends on how long the GPU rested before it. idle_ms rests
-  // before each row's warm-up (the first replays then start from a rested board); warmup_ms keeps replaying (with the L2 flush) after the counted warm-up until that
-  // long has passed (the timed replays then see the loaded board). 0: off.
+  // before each row's warm-up (the first replays then start from a rested board); warmup_ms keeps
+  // replaying (with the L2 flush) after the counted warm-up until that long has passed (the timed
+  // replays then see the loaded board). 0: off.
   int idle_ms = 0;
   int warmup_ms = 0;
   uint64_t seed = 1;

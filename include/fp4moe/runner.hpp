@@ -64,8 +64,8 @@ class MoeRunner {
   const MoeProblem& problem() const { return problem_; }
   int64_t max_tokens() const { return max_tokens_; }
 
-  // Host weights in the canonical layout (docs/architecture.md, "Interfaces"; see reference::MoeWeights). Allocates and
-  // uploads; not part of the forward path.
+  // Host weights in the canonical layout (docs/architecture.md, "Interfaces"; see
+  // reference::MoeWeights). Allocates and uploads; not part of the forward path.
   virtual Status prepare_weights(const reference::MoeWeights& weights,
                                  const WeightPrepOptions& options = {}) = 0;
   // Depends on the tactic choice (split-K tactics need more): ask after force_tactic / use_tune_cache.
