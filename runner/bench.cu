@@ -439,16 +439,17 @@ std::vector<BenchRow> bench_rows(const std::string& model, const MoeProblem& p, 
     // serialise the stages (no launch overlaps the one before it), so the stages add up to more than
     // the layer, and a stage without a kernel still reads ~1.2 us (two event nodes). The stream-ordered
     // forward it replaces gave the same times within noise on an H200 (qwen3-30b-a3b T = 1: route 6.8
-    // -> 7.2 us, GEMM1 13.5 -> 13.8, GEMM2 12.0 -> 11.3; docs/perf.md, thirtieth session).
-    Events marks(MoeRunner::kForwardStages + 1);
-    std::vector<std::vector<double>> st(MoeRunner::kForwardStages);
+    // -> 7.2 us, GEMM1 13.5 -> 13.8, GEMM2 12.0 -> 11.3).
+    Events marks(kForwardStages + 1);
+    std::vector<std::vector<double>> st(kForwardStages);
     {
-      const CapturedGraph marked(stream, [&](cudaStream_t s) { return runner->forward_marked(s, a, routed, marks.ev.data()); });
+      const CapturedGraph marked(
+          stream, [&](cudaStream_t s) { return forward_marked(*runner, s, a, routed, marks.ev.data()); });
       for (int i = 0; i < 5; ++i) {
         flush(stream, i);
         marked.launch(stream);
         ck(cudaStreamSynchronize(stream), "instrumented forward");
-        for (int j = 0; j < MoeRunner::kForwardStages; ++j) st[j].push_back(1e3 * marks.ms(j, j + 1));
+        for (int j = 0; j < kForwardStages; ++j) st[j].push_back(1e3 * marks.ms(j, j + 1));
       }
     }
     row.stages = {median(st[0]), median(st[1]), median(st[2]), median(st[3]), median(st[4]), median(st[5])};
@@ -558,7 +559,7 @@ std::vector<TuneEntry> tune_problem(const std::string& label, const MoeProblem& 
     // finalists again in turns puts a slow phase of the device (clock, power) on all of them. It does
     // not explain every gap between tune and bench: deepseek-r1 w4a4_scalar T = 256 is tuned to the
     // streaming kernel (1691 us in the tune) while the bench times wgmma t128 at 1459 us and the
-    // streaming kernel at 1591 us (docs/perf.md, seventeenth session).
+    // streaming kernel at 1591 us.
     std::stable_sort(screened.begin() + 1, screened.end(),
                      [](const auto& x, const auto& y) { return x.first < y.first; });
     screened.resize(std::min<size_t>(screened.size(), 3));  // [0] is the heuristic

@@ -2,7 +2,7 @@
 // thread while a benchmark replays its graphs.
 //
 // NOTE: at prefill sizes the H200 runs into its power limit and lowers the SM clock (measured
-// 1.56-1.98 GHz within one bench run, docs/perf.md), so a layer's time moves with the clock as well
+// 1.56-1.98 GHz within one bench run), so a layer's time moves with the clock as well
 // as with the kernel. bench reports the clock of every row next to its time.
 //
 // NVML comes with the driver (libnvidia-ml.so.1) and is opened at run time (dlopen): a machine without

@@ -2,7 +2,7 @@
 // used by the standalone microbenchmarks of bench/micro (build lines there).
 // A kernel reads a buffer several times the L2's size: the L2 then holds clean lines of that buffer, so
 // the weights a timed launch reads are cold in HBM and replacing those lines writes nothing back (a
-// memset of the buffer leaves them dirty instead; docs/perf.md, thirtieth session).
+// memset of the buffer leaves them dirty instead, and their write-back then counts in the layer's time).
 #pragma once
 
 #include <cuda_runtime.h>

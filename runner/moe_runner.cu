@@ -2,10 +2,9 @@
 // plan and the launch sequence of one forward.
 //
 // forward:         route -> permute -> gather/quantize -> GEMM1+activation -> GEMM2 -> finalize
-//                  (streaming kernel, w4a16 or scalar w4a4: no gather/quantize, GEMM1 gathers the
-//                  hidden rows or the rows the route kernel quantized;
-//                  top-1, or top-k on the streaming kernel: no finalize, GEMM2 writes the output)
-// forward_routed:  validate ids -> permute -> ...            (same from permute on)
+// forward_routed:  permute -> ...                            (same from permute on)
+// Which launches run and which fuse into their neighbours is decided by runner::plan_forward
+// (runner/forward_plan.hpp); run() fills the kernels' arguments from that plan and launches.
 //
 // Every launch is asynchronous on the caller's stream; nothing here synchronises or allocates after
 // prepare_weights, so a forward can be captured in a CUDA graph (one graph per token count T).
@@ -19,10 +18,27 @@
 
 #include "fp4moe/runner.hpp"
 #include "kernels/launch.hpp"
+#include "kernels/permute_block.cuh"
+#include "runner/forward_plan.hpp"
 #include "runner/hopper_device.hpp"
 
 namespace fp4moe {
 namespace {
+
+// The plan's copies of the kernels' limits and enums must be the kernels' own.
+static_assert(runner::kRoutePermuteMaxEntries == kernels::permute_block::kSmallEntries);
+static_assert(runner::kRoutePermuteMaxTokens == kernels::permute_block::kWarps);
+static_assert(int(runner::EarlyStart::AfterWait) == int(kernels::GemmEarlyStart::AfterWait) &&
+              int(runner::EarlyStart::TileTable) == int(kernels::GemmEarlyStart::TileTable) &&
+              int(runner::EarlyStart::TileReady) == int(kernels::GemmEarlyStart::TileReady));
+// Every split the registry allows is one the streaming launcher accepts.
+static_assert([] {
+  for (int s : kStreamSplitK)
+    if (s < 1 || s > kernels::kMaxStreamSplitK) return false;
+  return true;
+}());
+
+kernels::GemmEarlyStart early_start(runner::EarlyStart e) { return static_cast<kernels::GemmEarlyStart>(e); }
 
 constexpr size_t kAlign = 256;
 size_t align_up(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
@@ -114,7 +130,7 @@ class GpuMoeRunner final : public MoeRunner {
     return run(stream, args, /*routed=*/true, nullptr);
   }
   Status forward_marked(CUstream_st* stream, const ForwardArgs& args, bool routed,
-                        CUevent_st* const marks[kForwardStages + 1]) override {
+                        CUevent_st* const* marks) override {
     return run(stream, args, routed, marks);
   }
 
@@ -206,7 +222,7 @@ Status GpuMoeRunner::prepare_weights_or_throw(const reference::MoeWeights& w, co
   if (m = w2_bytes_.upload(packed.data(), packed.size(), "w2"); !m.empty()) return Status::failure(m);
   if (m = w2_scale_bytes_.upload(packed_scale.data(), packed_scale.size(), "w2_scale"); !m.empty()) return Status::failure(m);
 
-  // Global scales (DESIGN.md §1): alpha1 = w13_scale_2 * a, alpha2 = w2_scale_2 (* w2_input_scale).
+  // Global scales (docs/numerics.md, "The layer, step by step"): alpha1 = w13_scale_2 * a, alpha2 = w2_scale_2 (* w2_input_scale).
   std::vector<float> alpha1(E), alpha2(E), act_scale(E, 1.0f), input_scale;
   float a_scalar = 0.0f;
   if (p.act_quant == ActQuant::W4A4Scalar)
@@ -317,95 +333,60 @@ Status GpuMoeRunner::run(cudaStream_t stream, const ForwardArgs& a, bool routed,
   const MoeProblem& p = problem_;
   const int T = static_cast<int>(a.num_tokens), k = p.top_k(), E = static_cast<int>(p.num_experts);
   if (T == 0) return Status::success();
-  if (cudaError_t e = cudaSetDevice(device_); e != cudaSuccess) return Status::failure(cuda_message("cudaSetDevice", e));
-  const WorkspacePlan plan = this->plan(max_tokens_);
-  const int64_t entries = int64_t(T) * k;
-  void* ws = a.workspace;
-  auto* ids = a.topk_ids;
-  auto* weights = a.topk_weights;
   const TacticSelector::Choice choice = choice_for(T);
   const MoeTactic& tactic = choice.tactic;
+  // The registry decides which tactics exist (why_invalid); the launchers' own checks only bound them.
+  if (!tactic_valid(p, tactic))
+    return Status::failure(detail::concat(fn, ": tactic ", describe(tactic), " cannot run ", p.describe(), ": ",
+                                          why_invalid(p, tactic)));
+  if (cudaError_t e = cudaSetDevice(device_); e != cudaSuccess) return Status::failure(cuda_message("cudaSetDevice", e));
   if (log_level() >= LogLevel::Debug)
     log_line(forced_tactic_ ? detail::concat("forward ", p.describe(), " T=", T, " tactic ", describe(tactic), " (forced)")
                             : describe_choice(p, T, choice),
              LogLevel::Debug);
-  const int tile_rows = kernels::gemm_tile_rows(tactic);
-  const int64_t tiles = kernels::max_tiles(entries, E, tile_rows);
+  const runner::ForwardPlan fp =
+      runner::plan_forward(p, T, tactic, routed, a.output_dtype, has_w2_bias_);
+  if (fp.permute_in_route != (!routed && kernels::route_permute_fits(p.routing, T)))
+    return Status::failure(detail::concat(fn, ": the forward plan and kernels::route_permute_fits disagree at T=", T));
+  const WorkspacePlan ws_plan = plan(max_tokens_);
+  void* ws = a.workspace;
+  int32_t* ids = a.topk_ids;
+  float* weights = a.topk_weights;
+  const int64_t tiles = kernels::max_tiles(fp.entries, E, fp.tile_rows);
 
-  if (marks) record_mark(marks[0], stream);
-  if (routed && marks) record_mark(marks[1], stream);
-  // NOTE: GEMM1 (either kernel) gathers its activation rows itself (row -> entry -> token), so the
-  // gather_quantize launch is skipped: w4a16 reads the hidden rows, scalar w4a4 the rows that the route
-  // kernel quantized once per token (into a1 as [T, H]). One launch and T*k row copies (written, then
-  // read again by GEMM1) fewer. Per-expert w4a4 (a scale per copy), the router weight on the input and
-  // caller-given ids with w4a4 keep it. (The route kernel quantizes in the CTA of each token for
-  // DeepSeekV3 routing, in blocks of its own beside the routing warps for the other methods.)
-  const bool gather_ok = !p.routing.apply_router_weight_on_input;
-  const bool quantize_in_route = gather_ok && !routed && p.act_quant == ActQuant::W4A4Scalar;
-  const bool gather_in_gemm1 = gather_ok && (p.act_quant == ActQuant::W4A16 || quantize_in_route);
   kernels::PermuteArgs pa;
   pa.topk_ids = ids;
   pa.num_tokens = T;
   pa.top_k = k;
   pa.num_experts = E;
-  pa.tile_rows = tile_rows;
-  pa.expert_offsets = region<int32_t>(ws, plan.expert_offsets);
-  pa.row_to_entry = region<int32_t>(ws, plan.row_to_entry);
-  pa.entry_to_row = region<int32_t>(ws, plan.entry_to_row);
-  pa.tile_expert = region<int32_t>(ws, plan.tile_expert);
-  pa.tile_row_start = region<int32_t>(ws, plan.tile_row_start);
-  pa.num_tiles = region<int32_t>(ws, plan.num_tiles);
-  pa.scratch = region<void>(ws, plan.permute_scratch);
-  // NOTE: with at most finalize_in_gemm2_entries entries the streaming GEMM2 finalizes top-k > 1 itself
-  // (arrival counters per token and N tile, the last row's CTA sums the slots in order): one launch
-  // fewer, and y is re-read right after it is written. The permutation clears the counters. With more
-  // entries the finalize launch is faster: the hand-off (a CTA barrier, a gpu-scope fence and atomic,
-  // then the slot loads) holds every GEMM2 CTA's slot for its round trips (~10% of GEMM2's warp
-  // samples at deepseek-r1 T = 64, ncu), while the finalize launch reads y once (A/B 40 decode rows
-  // T = 8..128: geomean 0.995 in both modes, qwen3-30b-a3b T = 128 -2.4%; docs/perf.md, thirteenth
-  // session). With the slot loads issued first (nvfp4::finalize_token8) the fused finalize also wins at
-  // 64 entries: fused up to 512 against the launch, w4a16 (sixteenth session): T = 8 (64 entries)
-  // qwen3-30b-a3b 0.965, qwen3-235b-a22b 0.982, deepseek-r1 1.001; T = 16 0.989-1.007; T = 64 1.007-1.018.
-  // With GEMM2 waiting per tile (GemmEarlyStart::TileReady), up to 128 entries where H <= 4096 (A/B,
-  // twentieth session, T = 9 / 12 / 16 w4a16, twice: qwen3-30b-a3b 0.95 / 0.97 / 0.97, qwen3-235b-a22b
-  // 0.99-1.00; deepseek-r1, H = 7168, 1.00 / 1.01 / 1.01, so it stays at 64 there).
-  // Caller-given ids keep the separate finalize, which turns an out-of-range id (a token with
-  // fewer than k GEMM rows) into a NaN row.
-  const int64_t finalize_in_gemm2_entries = p.hidden <= 4096 ? 128 : 64;
-  // NOTE: fp32 outputs (partials of tensor / expert parallelism) take the separate finalize, whose
-  // store has both forms; the fused finalizes store bf16 only.
-  // NOTE: so do expert biases: the separate finalize adds w2_bias (y + b, one fp32 add, then w * (y + b)).
-  const bool f32_output = a.output_dtype == OutputDType::F32;
-  const bool finalize_in_gemm2 = k > 1 && !routed && !f32_output && !has_w2_bias_ &&
-                                 tactic.kernel == GemmKernel::Sm90Stream && entries <= finalize_in_gemm2_entries;
-  if (finalize_in_gemm2) {
-    pa.zero_words[0] = region<int32_t>(ws, plan.finalize_counters);
+  pa.tile_rows = fp.tile_rows;
+  pa.expert_offsets = region<int32_t>(ws, ws_plan.expert_offsets);
+  pa.row_to_entry = region<int32_t>(ws, ws_plan.row_to_entry);
+  pa.entry_to_row = region<int32_t>(ws, ws_plan.entry_to_row);
+  pa.tile_expert = region<int32_t>(ws, ws_plan.tile_expert);
+  pa.tile_row_start = region<int32_t>(ws, ws_plan.tile_row_start);
+  pa.num_tiles = region<int32_t>(ws, ws_plan.num_tiles);
+  pa.scratch = region<void>(ws, ws_plan.permute_scratch);
+  if (fp.finalize_in_gemm2) {
+    pa.zero_words[0] = region<int32_t>(ws, ws_plan.finalize_counters);
     pa.zero_count[0] = kernels::gemm2_finalize_counter_count(T, p.hidden);
   }
-  // NOTE: the split-K arrival counters must be zero when the GEMMs start, and the workspace may be
-  // shared with other work between forwards: the permute launch clears them too (a memset node before
-  // the route kernel cost the chain of dependent launches its start).
-  // GEMM1 splits tactic.split_k1 ways, GEMM2 tactic.split_k2 ways.
-  if (tactic.split_k1 > 1) {
-    pa.zero_words[1] = region<int32_t>(ws, plan.split1);
+  if (fp.clear_split1) {
+    pa.zero_words[1] = region<int32_t>(ws, ws_plan.split1);
     pa.zero_count[1] = static_cast<int64_t>(kernels::gemm_stream_counter_bytes(tiles, p.w13_rows()) / sizeof(int32_t));
   }
-  if (tactic.split_k2 > 1) {
-    pa.zero_words[2] = region<int32_t>(ws, plan.split2);
+  if (fp.clear_split2) {
+    pa.zero_words[2] = region<int32_t>(ws, ws_plan.split2);
     pa.zero_count[2] = static_cast<int64_t>(kernels::gemm_stream_counter_bytes(tiles, p.hidden) / sizeof(int32_t));
   }
-  // NOTE (GEMM1 -> GEMM2 per tile, kernels/launch.hpp GemmEarlyStart::TileReady): with the streaming
-  // kernel, each GEMM2 CTA waits for its own tile's GEMM1 CTAs instead of for the whole GEMM1, so the
-  // GEMM2 CTAs that take the slots of GEMM1's last wave work while it drains. The counts are cleared here.
-  const bool tile_handoff = tactic.kernel == GemmKernel::Sm90Stream;
-  if (tile_handoff) {
-    pa.zero_words[3] = region<int32_t>(ws, plan.tile_ready);
+  if (fp.tile_handoff) {
+    pa.zero_words[3] = region<int32_t>(ws, ws_plan.tile_ready);
     pa.zero_count[3] = tiles;
   }
-  // NOTE: with few entries the route launch permutes its ids in its one block (launch_route_permute):
-  // one boundary fewer in the chain of dependent launches. The stage mark stays, for the bench.
-  const bool permute_in_route = !routed && kernels::route_permute_fits(p.routing, T);
-  if (!routed) {
+
+  // Stage marks are recorded for the stages a plan drops too (the bench's stage times).
+  if (marks) record_mark(marks[0], stream);
+  if (fp.route) {
     kernels::RouteArgs r;
     r.logits = a.router_logits;
     r.logits_bf16 = a.logits_dtype == LogitsDType::BF16;
@@ -415,17 +396,18 @@ Status GpuMoeRunner::run(cudaStream_t stream, const ForwardArgs& a, bool routed,
     r.params = p.routing;
     r.topk_ids = ids;
     r.topk_weights = weights;
-    if (quantize_in_route) {
-      r.quant_out = region<__nv_bfloat16>(ws, plan.a1);
+    if (fp.quantize_in_route) {
+      r.quant_out = region<__nv_bfloat16>(ws, ws_plan.a1);
       r.hidden = static_cast<const __nv_bfloat16*>(a.hidden);
       r.hidden_size = static_cast<int>(p.hidden);
       r.input_scale = input_scale_.as<float>();
     }
-    if (permute_in_route) FP4MOE_LAUNCH(1, "route_permute", kernels::launch_route_permute(r, pa, stream));
+    if (fp.permute_in_route) FP4MOE_LAUNCH(1, "route_permute", kernels::launch_route_permute(r, pa, stream));
     else FP4MOE_LAUNCH(1, "route", kernels::launch_route(r, stream));
+  } else if (marks) {
+    record_mark(marks[1], stream);
   }
-
-  if (permute_in_route) {
+  if (fp.permute_in_route) {
     if (marks) record_mark(marks[2], stream);
   } else {
     FP4MOE_LAUNCH(2, "permute", kernels::launch_permute(pa, stream));
@@ -443,8 +425,8 @@ Status GpuMoeRunner::run(cudaStream_t stream, const ForwardArgs& a, bool routed,
   g.num_experts = E;
   g.mode = p.act_quant;
   g.scale_by_weight = p.routing.apply_router_weight_on_input;
-  g.a1 = region<__nv_bfloat16>(ws, plan.a1);
-  if (gather_in_gemm1) {  // the stage mark stays, for the bench's stage times
+  g.a1 = region<__nv_bfloat16>(ws, ws_plan.a1);
+  if (fp.gather_in_gemm1) {
     if (marks) record_mark(marks[3], stream);
   } else {
     FP4MOE_LAUNCH(3, "gather_quantize", kernels::launch_gather_quantize(g, stream));
@@ -464,13 +446,13 @@ Status GpuMoeRunner::run(cudaStream_t stream, const ForwardArgs& a, bool routed,
     x.num_experts = E;
     x.K = K;
     x.N = N;
-    x.rows = entries;
+    x.rows = fp.entries;
     x.tactic = tactic;
   };
   kernels::Gemm1Args g1;
   common(g1, w13_, w13_bytes_, w13_scale_bytes_, alpha1_, p.hidden, p.w13_rows());
   g1.a = g.a1;
-  if (gather_in_gemm1) {
+  if (fp.gather_in_gemm1) {
     g1.a = p.act_quant == ActQuant::W4A16 ? g.hidden : g.a1;  // [T, H]
     g1.rows = T;
     g1.a_row_to_entry = pa.row_to_entry;
@@ -479,70 +461,56 @@ Status GpuMoeRunner::run(cudaStream_t stream, const ForwardArgs& a, bool routed,
   g1.activation = p.activation;
   g1.mode = p.act_quant;
   g1.act_scale = act_scale_.as<float>();
-  g1.act = region<__nv_bfloat16>(ws, plan.act);
+  g1.act = region<__nv_bfloat16>(ws, ws_plan.act);
   g1.bias = has_w13_bias_ ? w13_bias_.as<float>() : nullptr;
-  g1.split_workspace = region<void>(ws, plan.split1);
-  // NOTE (early start, kernels/launch.hpp GemmEarlyStart): what a streaming GEMM may read before its
-  // dependency wait follows from this launch order. After a gather_quantize launch the tile table is two
-  // launches old, so GEMM1 issues its first weight copies while the gather runs. GEMM2 always has GEMM1
-  // between it and the permutation, so it always starts early: A/B 20 decode rows T = 8..128 w4a16
-  // geomean 0.993 against starting early only up to 32 entries (qwen3-30b-a3b T = 8 86.0 -> 82.2 us;
-  // docs/perf.md, thirteenth session), where the eleventh session's run 1 had measured a loss with
-  // another change mixed in.
-  const bool stream_kernel = tactic.kernel == GemmKernel::Sm90Stream;
-  if (stream_kernel && !gather_in_gemm1) g1.early_start = kernels::GemmEarlyStart::TileTable;
-  if (tile_handoff) g1.tile_ready = pa.zero_words[3];
+  g1.split_workspace = region<void>(ws, ws_plan.split1);
+  g1.early_start = early_start(fp.gemm1_early_start);
+  if (fp.tile_handoff) g1.tile_ready = pa.zero_words[3];
   FP4MOE_LAUNCH(4, "gemm1_act", kernels::launch_gemm1_act(g1, stream));
 
   kernels::Gemm2Args g2;
   common(g2, w2_, w2_bytes_, w2_scale_bytes_, alpha2_, p.inter, p.hidden);
   g2.a = g1.act;
   g2.row_to_entry = pa.row_to_entry;
-  g2.y = region<float>(ws, plan.y);
-  g2.split_workspace = region<void>(ws, plan.split2);
-  if (stream_kernel) g2.early_start = kernels::GemmEarlyStart::TileTable;
-  if (tile_handoff) {
-    g2.early_start = kernels::GemmEarlyStart::TileReady;
+  g2.y = fp.fuse_finalize ? nullptr : region<float>(ws, ws_plan.y);
+  g2.split_workspace = region<void>(ws, ws_plan.split2);
+  g2.early_start = early_start(fp.gemm2_early_start);
+  if (fp.tile_handoff) {
     g2.tile_ready = pa.zero_words[3];
     g2.tile_ready_count = static_cast<int>(kernels::gemm_stream_ctas_along_n(p.w13_rows()));
   }
-  // NOTE: with top-1 routing the finalize is one multiply per element: GEMM2 writes the output itself
-  // (saves writing and re-reading y). Precomputed ids keep the separate finalize, which turns an
-  // out-of-range id (a token without a GEMM row) into a NaN row.
-  const bool fuse_finalize = k == 1 && !routed && !f32_output && !has_w2_bias_;
-  if (fuse_finalize || finalize_in_gemm2) {
+  if (!fp.finalize_launch) {
     g2.out = static_cast<__nv_bfloat16*>(a.output);
-    g2.out_weights = p.routing.apply_router_weight_on_input ? nullptr : weights;
+    g2.out_weights = fp.unit_weights ? nullptr : weights;
   }
-  if (fuse_finalize) g2.y = nullptr;  // top-1: y is not written
-  if (finalize_in_gemm2) {  // top-k: y, then the finalize of each (token, N tile) by its last CTA
+  if (fp.finalize_in_gemm2) {
     g2.finalize_counters = pa.zero_words[0];
     g2.finalize_top_k = k;
   }
   FP4MOE_LAUNCH(5, "gemm2", kernels::launch_gemm2(g2, stream));
-  if (fuse_finalize || finalize_in_gemm2) {
+  if (!fp.finalize_launch) {
     if (marks) record_mark(marks[6], stream);
     return Status::success();
   }
 
   kernels::FinalizeArgs f;
-  f.y = region<float>(ws, plan.y);
+  f.y = region<float>(ws, ws_plan.y);
   f.topk_weights = weights;
   f.num_tokens = T;
   f.top_k = k;
   f.hidden_size = static_cast<int>(p.hidden);
-  f.unit_weights = p.routing.apply_router_weight_on_input;
-  if (routed) {  // caller-given ids may be out of range: bad input, or another rank's experts
+  f.unit_weights = fp.unit_weights;
+  if (fp.finalize_checks_ids) {
     f.topk_ids = ids;
     f.num_experts = E;
     f.skip_foreign_ids = p.routing.skip_foreign_ids;
   }
-  if (has_w2_bias_) {  // each slot's bias row by its expert id
+  if (fp.finalize_bias) {
     f.topk_ids = ids;
     f.num_experts = E;
     f.bias = w2_bias_.as<float>();
   }
-  if (f32_output) f.out_f32 = static_cast<float*>(a.output);
+  if (fp.f32_output) f.out_f32 = static_cast<float*>(a.output);
   else f.out = static_cast<__nv_bfloat16*>(a.output);
   FP4MOE_LAUNCH(6, "finalize", kernels::launch_finalize(f, stream));
   return Status::success();

@@ -1,8 +1,10 @@
-// runner/run_case.cu — run_case_on_gpu: a host-memory case through MoeRunner (tools and tests).
+// runner/run_case.cu — run_case_on_gpu (fp4moe/bench.hpp, the fp4moe_tools target): a host-memory case
+// through MoeRunner (tools and tests).
 #include <cuda_runtime.h>
 
 #include <vector>
 
+#include "fp4moe/bench.hpp"
 #include "fp4moe/format.hpp"
 #include "fp4moe/runner.hpp"
 #include "runner/device_buffer.hpp"

@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdio>
 
+#include "fp4moe/bench.hpp"
 #include "fp4moe/case_file.hpp"
 #include "fp4moe/checkpoint.hpp"
 #include "fp4moe/error.hpp"

@@ -14,6 +14,7 @@
 #include <iostream>
 #include <string>
 
+#include "fp4moe/bench.hpp"
 #include "fp4moe/case_file.hpp"
 #include "fp4moe/error.hpp"
 #include "fp4moe/format.hpp"
@@ -124,7 +125,7 @@ int main(int argc, char** argv) {
   std::string case_path, out_path, device = "cpu";
   CheckpointRunOptions ckrun;
   CLI::App* run = app.add_subcommand("run", "Run one MoE layer from a case file (or a checkpoint layer) and write the result file");
-  CLI::Option* case_opt = run->add_option("--case", case_path, "Case file (.safetensors, DESIGN.md §3)");
+  CLI::Option* case_opt = run->add_option("--case", case_path, "Case file (.safetensors, docs/case-file.md)");
   run->add_option("--out", out_path, "Output file (.safetensors: output, topk_ids, topk_weights)");
   run->add_option("--device", device, "cpu (the reference) or cuda")->check(CLI::IsMember({"cpu", "cuda"}));
   CLI::Option* ck_opt = run->add_option("--checkpoint", ckrun.dir, "Checkpoint directory (instead of --case)");

@@ -5,7 +5,7 @@
 // every T of the bucket. The heuristic reads T only through the bucket's representative.
 #include <algorithm>
 #include <cstdint>
-#include <initializer_list>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -17,16 +17,17 @@ namespace {
 
 struct FamilyRule {
   GemmKernel kernel;
-  std::initializer_list<int> tile_tokens;  // the instantiated tile heights
-  std::initializer_list<int> split_k;      // the K splits each GEMM may take
+  std::span<const int> tile_tokens;  // the instantiated tile heights
+  std::span<const int> split_k;      // the K splits each GEMM may take
 };
 
-// One row per kernel family; candidate_tactics enumerates the product and filters by why_invalid.
+constexpr int kNoSplit[] = {1};
+
+// One row per kernel family, from the tables of fp4moe/tactic.hpp; candidate_tactics enumerates the
+// product and filters by why_invalid.
 const FamilyRule kFamilies[] = {
-    {GemmKernel::Sm90Wgmma, {64, 128, 256}, {1}},
-    // NOTE: split 6 serves GEMM2s with few CTAs along N and long K (llama4-scout T = 2, 4: 68.6 -> 64.0 us
-    // and 82.2 -> 81.0, w4a16, docs/perf.md twenty-eighth session); 3 and 8 won no bucket there.
-    {GemmKernel::Sm90Stream, {16, 32}, {1, 2, 4, 6}},
+    {GemmKernel::Sm90Wgmma, kWgmmaTileTokens, kNoSplit},
+    {GemmKernel::Sm90Stream, kStreamTileTokens, kStreamSplitK},
 };
 
 constexpr int64_t kKChunk = 128;  // K elements per pipeline stage of the streaming kernel
@@ -35,13 +36,13 @@ constexpr int64_t kNumSms = 132;  // H100/H200 SXM: the heuristic's split-K rule
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 int64_t k_chunks(int64_t K) { return ceil_div(K, kKChunk); }
 
-std::string list(std::initializer_list<int> values) {
+std::string list(std::span<const int> values) {
   std::string s = "{";
   for (int v : values) s += (s.size() > 1 ? ", " : "") + std::to_string(v);
   return s + "}";
 }
 
-bool contains(std::initializer_list<int> values, int v) {
+bool contains(std::span<const int> values, int v) {
   return std::find(values.begin(), values.end(), v) != values.end();
 }
 
@@ -92,18 +93,17 @@ MoeTactic heuristic_tactic(const MoeProblem& p, int64_t T) {
   // wgmma kernel pays a pipeline fill and an epilogue per tile at one CTA per SM, which short
   // experts amortize over few K chunks; the streaming kernel's 32-row tiles run 3 CTAs per SM. So the
   // switch point falls with the K chunks of both GEMMs (ceil(H / 128) + ceil(I / 128)). Measured on
-  // the H200 (fp4moe bench --tactic, stream/t32/s1 over wgmma/t128/s1, w4a16 and w4a4_scalar;
-  // docs/perf.md, twenty-fourth session):
+  // the H200 (fp4moe bench --tactic, stream/t32/s1 over wgmma/t128/s1, w4a16 and w4a4_scalar):
   //   22 chunks (qwen3-30b-a3b):    m = 16 0.86-0.88, 20 0.92-0.94, 24 0.94-0.95, 32 1.08-1.11
   //   44 (qwen3-235b-a22b):         m = 16 0.94-0.96, 20 1.03-1.04
   //   46 (gpt-oss-120b):            m = 16 0.97-0.98, 20 1.04-1.07
   //   72 (deepseek-r1):             m = 16 1.31-1.33;  104 (llama4-scout): m = 16 1.04-1.06
-  // and at m = 12..14 the streaming kernel won on gpt-oss-120b and lost on deepseek-r1 (2026-12-01).
+  // and at m = 12..14 the streaming kernel won on gpt-oss-120b and lost on deepseek-r1.
   const int64_t both_chunks = k_chunks(p.hidden) + k_chunks(p.inter);
   const int64_t m_switch = both_chunks <= 32 ? 28 : both_chunks <= 48 ? 17 : 16;
   if (routed < m_switch * E) {
-    // Streaming kernel. Rules fitted to the decode tuning of 2026-12-01 on an H200 (docs/perf.md,
-    // "decode heuristic"), for which they pick the tuned tactic or one within ~3% of it:
+    // Streaming kernel. Rules fitted to a decode tuning of the presets on an H200, for which they pick
+    // the tuned tactic or one within ~3% of it:
     //   split K: the GEMM with fewer CTAs (128 output rows each) decides. Split by the largest s in
     //     {1, 2, 4} that keeps that grid at <= 5 CTAs per SM and every split >= 10 K chunks in both
     //     GEMMs (a split costs a partial write, a reduction and one more pipeline fill). One llama4-scout
@@ -126,13 +126,13 @@ MoeTactic heuristic_tactic(const MoeProblem& p, int64_t T) {
   }
   // NOTE: 256-token tiles halve the decode per flop but halve the weight rows per CTA, and an expert
   // with a few rows more than a multiple of 256 pays a nearly empty tile. Measured on the H200
-  // (fp4moe bench --tactic, w4a16, docs/perf.md): at m = 256 the 128-token tile wins (deepseek-r1
+  // (fp4moe bench --tactic, w4a16): at m = 256 the 128-token tile wins (deepseek-r1
   // T = 8192 11407 vs 12074 us, gpt-oss-120b T = 8192 3209 vs 3501, llama4-scout T = 4096 1779 vs
   // 1805, qwen3-30b-a3b T = 4096 806 vs 804); at m = 512 the 256-token tile (llama4-scout T = 8192
   // 3116 vs 3503, qwen3-30b-a3b T = 8192 1444 vs 1463).
   // NOTE: 64-token tiles (128 weight rows, two CTAs per SM: one CTA's fill and epilogue under the
   // other's main loop) where experts get few rows. Measured on the H200 (fp4moe bench --tactic
-  // sm90_wgmma/t64/s1 against the tuned tactic, w4a16; docs/perf.md, twenty-sixth session): at m = 32
+  // sm90_wgmma/t64/s1 against the tuned tactic, w4a16): at m = 32
   // qwen3-30b-a3b 0.90, qwen3-235b-a22b 0.93, llama4-scout 0.92, gpt-oss-120b 0.91; at m = 64 0.95-1.01;
   // at m = 128 1.07-1.17. deepseek-r1 (E = 256) was slower at every m (1.02 at m = 16, 1.21 at m = 64).
   if (routed < 48 * E && E <= 128) return {GemmKernel::Sm90Wgmma, 64, 1, 1};

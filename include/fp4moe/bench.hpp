@@ -1,4 +1,6 @@
-// fp4moe/bench.hpp — measuring the layer against its floor (DESIGN.md §5).
+// fp4moe/bench.hpp — the repository's tools around the layer (the fp4moe_tools target, used by the CLI
+// and the tests; not installed, not part of the public API of fp4moe/runner.hpp): measuring the layer
+// against its floor (docs/performance.md, "Method"), tuning, and running a case file on the GPU.
 //
 //   Ceilings c = measure_ceilings();                  // copy bandwidth, bf16 GEMM rate, this GPU, now
 //   auto rows = bench_model("deepseek-r1", preset("deepseek-r1", mode), {1, 8, 64}, c, opts);
@@ -14,13 +16,42 @@
 #include <string_view>
 #include <vector>
 
+#include "fp4moe/case_file.hpp"
 #include "fp4moe/error.hpp"
 #include "fp4moe/problem.hpp"
 #include "fp4moe/reference.hpp"
+#include "fp4moe/runner.hpp"
 #include "fp4moe/tactic.hpp"
 #include "fp4moe/tune.hpp"
 
 namespace fp4moe {
+
+// Runs a host-memory case through a MoeRunner on the current device (tools and tests, not a serving
+// path): allocates, uploads, runs forward or forward_routed, downloads, synchronises. When ms is
+// non-null, the layer is also timed (CUDA events around 10 forwards after a warm-up) and the mean
+// milliseconds per forward are stored there. With `tactic`, every forward uses it
+// (MoeRunner::force_tactic). Throws fp4moe::Error on any failure.
+reference::MoeResult run_case_on_gpu(const io::MoeCase& c, double* ms = nullptr,
+                                     std::optional<MoeTactic> tactic = std::nullopt);
+
+// The stages of a forward that forward_marked marks: route, permute, gather_quantize, gemm1_act, gemm2,
+// finalize.
+inline constexpr int kForwardStages = 6;
+
+// The runner's benchmark hook (MoeRunner::forward_marked, protected).
+struct RunnerDiagnostics {
+  static Status forward_marked(MoeRunner& runner, CUstream_st* stream, const ForwardArgs& args, bool routed,
+                               CUevent_st* const* marks) {
+    return runner.forward_marked(stream, args, routed, marks);
+  }
+};
+// forward (routed=false) or forward_routed (routed=true) that records marks[0] before the first launch
+// and marks[1..kForwardStages] after each stage (a stage that the forward fuses into another still gets
+// its mark, right after the previous one). marks: kForwardStages + 1 events.
+inline Status forward_marked(MoeRunner& runner, CUstream_st* stream, const ForwardArgs& args, bool routed,
+                             CUevent_st* const* marks) {
+  return RunnerDiagnostics::forward_marked(runner, stream, args, routed, marks);
+}
 
 struct Ceilings {
   double copy_tbps = 0;    // device-to-device copy, bytes read + written per second / 1e12
@@ -33,10 +64,9 @@ Ceilings measure_ceilings();
 // How a replay's weights are made cold in HBM (the bench's and the tuner's L2 flush before every replay).
 //   Read:  a kernel reads a 256 MiB buffer: the L2 then holds clean lines, which the layer's reads
 //          replace at no cost.
-//   Write: cudaMemset of that buffer (the method before 2026-12-04): the L2 then holds ~50 MB of dirty
-//          lines, and each line the layer's reads replace is first written back to HBM, so a layer that
-//          reads less than the L2 moves up to twice its bytes (qwen3-30b-a3b T = 1: 21 MB of weights,
-//          ~21 MB of write-back; docs/perf.md, thirtieth session).
+//   Write: cudaMemset of that buffer: the L2 then holds ~50 MB of dirty lines, and each line the
+//          layer's reads replace is first written back to HBM, so a layer that reads less than the L2
+//          moves up to twice its bytes (qwen3-30b-a3b T = 1: 21 MB of weights, ~21 MB of write-back).
 enum class L2Flush { Read, Write };
 inline std::string_view to_string(L2Flush flush) { return flush == L2Flush::Read ? "read" : "write"; }
 // "read" or "write"; throws fp4moe::Error naming `what` otherwise.
@@ -50,10 +80,10 @@ struct BenchOptions {
   int warmup = 5;
   int reps = 30;   // >= 20
   // NOTE (power state): on an H200 the replays of a large row run 7-17% slower once the board has been
-  // busy for ~20-60 ms (docs/perf.md, twenty-eighth session), so a row's median depends on how long the
-  // GPU rested before it. idle_ms rests before each row's warm-up (the first replays then start from a
-  // rested board); warmup_ms keeps replaying (with the L2 flush) after the counted warm-up until that
-  // long has passed (the timed replays then see the loaded board). 0: off.
+  // busy for ~20-60 ms, so a row's median depends on how long the GPU rested before it. idle_ms rests
+  // before each row's warm-up (the first replays then start from a rested board); warmup_ms keeps
+  // replaying (with the L2 flush) after the counted warm-up until that long has passed (the timed
+  // replays then see the loaded board). 0: off.
   int idle_ms = 0;
   int warmup_ms = 0;
   uint64_t seed = 1;
@@ -78,7 +108,7 @@ struct ClockStats {
 };
 
 // Per stage of the layer: the time between the event record nodes around it in a graph of
-// MoeRunner::forward_marked (medians of 5 replays). The nodes serialise the stages, so their sum exceeds
+// forward_marked (medians of 5 replays). The nodes serialise the stages, so their sum exceeds
 // the layer time by the launch overlap that the plain forward gets (programmatic dependent launch).
 struct StageTimes {
   double route_us = 0, permute_us = 0, quantize_us = 0, gemm1_us = 0, gemm2_us = 0, finalize_us = 0;

@@ -10,7 +10,9 @@
 // replay it. Everything a forward touches lives in the prepared weights, the caller's tensors and
 // the caller's workspace, so replays need no re-preparation.
 //
-// This header needs no CUDA headers: streams are passed as CUstream_st* (cudaStream_t).
+// This header needs no CUDA headers: streams are passed as CUstream_st* (cudaStream_t). Benchmarks,
+// case files on the GPU and the clock monitor are tools of the repository (fp4moe/bench.hpp, the
+// fp4moe_tools target), not part of this interface.
 #pragma once
 
 #include <cstddef>
@@ -19,7 +21,6 @@
 #include <optional>
 #include <string>
 
-#include "fp4moe/case_file.hpp"
 #include "fp4moe/error.hpp"
 #include "fp4moe/problem.hpp"
 #include "fp4moe/reference.hpp"
@@ -55,8 +56,6 @@ struct ForwardArgs {
 
 class MoeRunner {
  public:
-  static constexpr int kForwardStages = 6;  // route, permute, gather_quantize, gemm1_act, gemm2, finalize
-
   // Throws fp4moe::Error when the problem is invalid or no suitable GPU is present.
   static std::unique_ptr<MoeRunner> create(const MoeProblem& problem, int64_t max_tokens,
                                            int device = -1);
@@ -65,8 +64,8 @@ class MoeRunner {
   const MoeProblem& problem() const { return problem_; }
   int64_t max_tokens() const { return max_tokens_; }
 
-  // Host weights in the canonical layout of DESIGN.md §3 (see reference::MoeWeights). Allocates and
-  // uploads; not part of the forward path.
+  // Host weights in the canonical layout (docs/architecture.md, "Interfaces"; see
+  // reference::MoeWeights). Allocates and uploads; not part of the forward path.
   virtual Status prepare_weights(const reference::MoeWeights& weights,
                                  const WeightPrepOptions& options = {}) = 0;
   // Depends on the tactic choice (split-K tactics need more): ask after force_tactic / use_tune_cache.
@@ -78,12 +77,6 @@ class MoeRunner {
   // its token's output row NaN (bad input poisons only its own token), or, with
   // RoutingParams::skip_foreign_ids (expert parallelism: another rank's expert), adds nothing.
   virtual Status forward_routed(CUstream_st* stream, const ForwardArgs& args) = 0;
-
-  // Diagnostics (benchmarks): forward (routed=false) or forward_routed (routed=true) that records
-  // marks[0] before the first launch and marks[1..6] after the stages route, permute,
-  // gather_quantize, gemm1_act, gemm2, finalize (marks[1] right after marks[0] when routed).
-  virtual Status forward_marked(CUstream_st* stream, const ForwardArgs& args, bool routed,
-                                CUevent_st* const marks[kForwardStages + 1]) = 0;
 
   // ---- tactics (fp4moe/tactic.hpp, fp4moe/tune.hpp) ----
   // Each forward of T tokens runs the tactic of T's bucket: from the tuning cache when it has an entry
@@ -103,6 +96,13 @@ class MoeRunner {
   MoeRunner(const MoeProblem& p, int64_t max_tokens) : problem_(p), max_tokens_(max_tokens) {}
   // Called by the backend's constructor: the device key and the selector from FP4MOE_TUNE_CACHE.
   void init_tactics(const DeviceKey& device);
+  // Benchmark diagnostics, reached through fp4moe/bench.hpp (forward_marked): forward (routed=false) or
+  // forward_routed (routed=true) that records marks[0] before the first launch and marks[1..6] after the
+  // stages route, permute, gather_quantize, gemm1_act, gemm2, finalize (marks[1] right after marks[0]
+  // when routed; a stage that a forward fuses into another still gets its mark).
+  virtual Status forward_marked(CUstream_st* stream, const ForwardArgs& args, bool routed,
+                                CUevent_st* const* marks) = 0;
+  friend struct RunnerDiagnostics;
   MoeProblem problem_;
   int64_t max_tokens_;
   DeviceKey device_key_;
@@ -110,15 +110,7 @@ class MoeRunner {
   std::optional<MoeTactic> forced_tactic_;
 };
 
-// Convenience for tools and tests (not a serving path): runs a host-memory case through a MoeRunner
-// on the current device — allocates, uploads, runs forward or forward_routed, downloads, synchronises.
-// When ms is non-null, the layer is also timed (CUDA events around 10 forwards after a warm-up) and the
-// mean milliseconds per forward are stored there. With `tactic`, every forward uses it
-// (MoeRunner::force_tactic). Throws fp4moe::Error on any failure.
-reference::MoeResult run_case_on_gpu(const io::MoeCase& c, double* ms = nullptr,
-                                     std::optional<MoeTactic> tactic = std::nullopt);
-
-// Routing alone on the GPU (DESIGN.md §4): the top-k ids and weights of T tokens from router logits
+// Routing alone on the GPU (docs/numerics.md, "Routing methods"): the top-k ids and weights of T tokens from router logits
 // over E experts, the same bits as MoeRunner::forward's routing. For expert parallelism, where every
 // rank routes over the whole layer's experts and then runs its own (RoutingParams::skip_foreign_ids).
 // No allocation, no host synchronisation, graph-capturable.

@@ -1,11 +1,14 @@
 // fp4moe/tactic.hpp — how the expert GEMMs of one MoE forward are run: a plain, printable struct
-// (DESIGN.md §2: the problem says what is computed, the tactic how). One tactic serves both GEMMs of
-// a forward (they share the permutation's tile table, built for tile_tokens); the K split is per GEMM.
+// (docs/architecture.md, "Layers": the problem says what is computed, the tactic how). One tactic serves
+// both GEMMs of a forward (they share the permutation's tile table, built for tile_tokens); the K split
+// is per GEMM.
 //
-// Validity depends on the problem only, never on the token count T (fp4moe/tune.hpp, tune/registry.cpp):
-// a tactic chosen for a bucket of T is valid for every T.
+// Validity is decided by the tactic registry alone (why_invalid / tactic_valid in fp4moe/tune.hpp,
+// tune/registry.cpp, from the tables below). It depends on the problem only, never on the token count
+// T: a tactic chosen for a bucket of T is valid for every T.
 #pragma once
 
+#include <array>
 #include <charconv>
 #include <cstdint>
 #include <optional>
@@ -17,10 +20,12 @@
 namespace fp4moe {
 
 enum class GemmKernel : int {
-  // sm90 wgmma kernel: 1 producer + 2 consumer warpgroups, weights x tokens tile, cp.async ring.
-  //   tile_tokens 128: 256 weight rows per CTA; tile_tokens 256: 128 weight rows per CTA.
+  // sm90 wgmma kernel: 1 producer + 2 consumer warpgroups, weights x tokens tile, a shared-memory ring
+  // filled by bulk tensor copies (TMA).
+  //   tile_tokens 128: 256 weight rows per CTA; tile_tokens 64 (two CTAs per SM) and 256: 128.
   Sm90Wgmma = 0,
-  // sm90 streaming kernel for few tokens per expert: mma.sync, every warp streams its own weight rows.
+  // sm90 streaming kernel for few tokens per expert: mma.sync on weights that the CTA streams through a
+  // ring of bulk tensor copies (one K chunk per stage, shared by all its warps).
   Sm90Stream = 1,
 };
 
@@ -34,6 +39,15 @@ struct MoeTactic {
 
   friend bool operator==(const MoeTactic&, const MoeTactic&) = default;
 };
+
+// The tables of the tactic registry (tune/registry.cpp): the tile heights each kernel is instantiated
+// for and the K splits a streaming GEMM may take. why_invalid reads these and nothing else decides
+// validity; the kernels' launchers only bound-check what they are given.
+inline constexpr std::array<int, 3> kWgmmaTileTokens = {64, 128, 256};
+inline constexpr std::array<int, 2> kStreamTileTokens = {16, 32};
+// NOTE: split 6 serves GEMM2s with few CTAs along N and long K (llama4-scout T = 2 and 4, w4a16:
+// 68.6 -> 64.0 us and 82.2 -> 81.0 us against the best of 1, 2, 4); splits 3 and 8 won no bucket.
+inline constexpr std::array<int, 4> kStreamSplitK = {1, 2, 4, 6};
 
 inline std::string_view to_string(GemmKernel k) {
   switch (k) {

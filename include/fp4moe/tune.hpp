@@ -1,5 +1,5 @@
-// fp4moe/tune.hpp — choosing the tactic of a forward (DESIGN.md §2, tune/): the tactic registry, the
-// token-count buckets, the tuning cache file and the per-forward selector. CPU code, no CUDA.
+// fp4moe/tune.hpp — choosing the tactic of a forward (docs/architecture.md, "Layers"; tune/): the tactic
+// registry, the token-count buckets, the tuning cache file and the per-forward selector. CPU code, no CUDA.
 //
 //   TuneCache cache;
 //   CacheLoadResult r = cache.load(path);              // never throws; r.warnings: print once
@@ -55,12 +55,14 @@ MoeTactic tactic_from_json(std::string_view text);
 // Every valid tactic for the problem, in the registry's table order. Never empty for a problem the
 // runner accepts (H, I multiples of 16).
 std::vector<MoeTactic> candidate_tactics(const MoeProblem& problem);
-// Why the tactic cannot run this problem, or "" when it can. Rules per kernel family:
-//   sm90_wgmma:  tile_tokens in {64, 128, 256}, split_k1 = split_k2 = 1; every problem with H, I multiples
-//                of 16.
-//   sm90_stream: tile_tokens in {16, 32}; split_k1 (GEMM1, K = H) and split_k2 (GEMM2, K = I) each in
-//                {1, 2, 4}, and a split s > 1 only where its GEMM has at least 2 * s chunks of 128 along
-//                K, so every split CTA gets at least two chunks to pipeline.
+// Why the tactic cannot run this problem, or "" when it can: the one definition of a valid tactic (the
+// runner refuses to launch any other). Rules per kernel family (tables in fp4moe/tactic.hpp):
+//   sm90_wgmma:  tile_tokens in kWgmmaTileTokens {64, 128, 256}, split_k1 = split_k2 = 1; every problem
+//                with H, I multiples of 16.
+//   sm90_stream: tile_tokens in kStreamTileTokens {16, 32}; split_k1 (GEMM1, K = H) and split_k2 (GEMM2,
+//                K = I) each in kStreamSplitK {1, 2, 4, 6}, and a split s > 1 only where its GEMM has at
+//                least 2 * s chunks of 128 along K, so every split CTA gets at least two chunks to
+//                pipeline.
 std::string why_invalid(const MoeProblem& problem, const MoeTactic& tactic);
 inline bool tactic_valid(const MoeProblem& problem, const MoeTactic& tactic) {
   return why_invalid(problem, tactic).empty();

@@ -1,5 +1,4 @@
 // runner/unavailable — the GPU entry points of a build without CUDA: each one says so.
-#include "fp4moe/bench.hpp"
 #include "fp4moe/runner.hpp"
 
 namespace fp4moe {
@@ -24,24 +23,6 @@ Status GpuRouter::route(CUstream_st*, int64_t, const void*, LogitsDType, const f
 bool cuda_device_available(std::string* why_not) {
   if (why_not) *why_not = "fp4moe was built without CUDA";
   return false;
-}
-
-reference::MoeResult run_case_on_gpu(const io::MoeCase&, double*, std::optional<MoeTactic>) { unavailable("run_case_on_gpu"); }
-
-Ceilings measure_ceilings() { unavailable("bench"); }
-
-std::vector<BenchRow> bench_model(const std::string&, const MoeProblem&, const std::vector<int64_t>&, const Ceilings&,
-                                  const BenchOptions&, bool) {
-  unavailable("bench");
-}
-
-std::vector<BenchRow> bench_weights(const std::string&, const MoeProblem&, const reference::MoeWeights&,
-                                    const std::vector<int64_t>&, const Ceilings&, const BenchOptions&, bool) {
-  unavailable("bench");
-}
-
-std::vector<TuneEntry> tune_problem(const std::string&, const MoeProblem&, const TuneProfileOptions&) {
-  unavailable("tune");
 }
 
 }  // namespace fp4moe

@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <string>
 
+#include "fp4moe/bench.hpp"
 #include "fp4moe/checkpoint.hpp"
 #include "fp4moe/format.hpp"
 #include "fp4moe/reference.hpp"

@@ -6,6 +6,7 @@
 #include <chrono>
 #include <thread>
 
+#include "fp4moe/bench.hpp"
 #include "fp4moe/runner.hpp"
 #include "runner/clock_monitor.hpp"
 

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "fp4moe/bench.hpp"
 #include "fp4moe/case_file.hpp"
 #include "fp4moe/presets.hpp"
 #include "fp4moe/runner.hpp"
@@ -83,12 +84,12 @@ TEST(LayerGraph, MarkedForwardCapturesTimedStageEvents) {
   const ForwardArgs& a = buf.args;
   cudaStream_t s;
   CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  std::vector<cudaEvent_t> marks(MoeRunner::kForwardStages + 1);
+  std::vector<cudaEvent_t> marks(kForwardStages + 1);
   for (auto& e : marks) CK(cudaEventCreate(&e));
   cudaGraph_t graph;
   cudaGraphExec_t exec;
   CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
-  const Status cs = runner->forward_marked(s, a, false, marks.data());
+  const Status cs = forward_marked(*runner, s, a, false, marks.data());
   const cudaError_t end = cudaStreamEndCapture(s, &graph);
   ASSERT_TRUE(cs.ok()) << cs.message;
   ASSERT_EQ(end, cudaSuccess) << cudaGetErrorString(end);
@@ -102,13 +103,13 @@ TEST(LayerGraph, MarkedForwardCapturesTimedStageEvents) {
     CK(cudaGraphNodeGetType(n, &type));
     event_nodes += type == cudaGraphNodeTypeEventRecord;
   }
-  EXPECT_EQ(event_nodes, MoeRunner::kForwardStages + 1);  // every mark, including the stages without a launch
+  EXPECT_EQ(event_nodes, kForwardStages + 1);  // every mark, including the stages without a launch
   CK(cudaGraphInstantiate(&exec, graph, 0));
   CK(buf.poison_output());
   CK(cudaGraphLaunch(exec, s));
   CK(cudaStreamSynchronize(s));
   float total = 0;
-  for (int j = 0; j < MoeRunner::kForwardStages; ++j) {
+  for (int j = 0; j < kForwardStages; ++j) {
     float ms = -1;
     CK(cudaEventElapsedTime(&ms, marks[j], marks[j + 1]));
     EXPECT_GE(ms, 0.0f) << "stage " << j;

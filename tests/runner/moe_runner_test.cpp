@@ -21,6 +21,7 @@
 #include <random>
 #include <string>
 
+#include "fp4moe/bench.hpp"
 #include "fp4moe/case_file.hpp"
 #include "fp4moe/checkpoint.hpp"
 #include "fp4moe/format.hpp"

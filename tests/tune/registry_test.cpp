@@ -104,6 +104,21 @@ std::vector<MoeTactic> wgmma_then(std::vector<MoeTactic> a, const std::vector<Mo
   return a;
 }
 
+// The split table of fp4moe/tactic.hpp is the one source: a split the streaming launcher would accept
+// (up to its bound of 64) but the table does not list is invalid, for GEMM1 and GEMM2 alike.
+TEST(Registry, SplitsComeFromTheTableAlone) {
+  const MoeProblem p = problem(256, 16384, 16384, 8);  // 128 chunks along both K: no chunk rule applies
+  for (int s = 0; s <= 65; ++s) {
+    bool listed = false;
+    for (int v : kStreamSplitK) listed |= v == s;
+    EXPECT_EQ(tactic_valid(p, MoeTactic{GemmKernel::Sm90Stream, 16, s, 1}), listed) << s;
+    EXPECT_EQ(tactic_valid(p, MoeTactic{GemmKernel::Sm90Stream, 32, 1, s}), listed) << s;
+    EXPECT_EQ(tactic_valid(p, MoeTactic{GemmKernel::Sm90Wgmma, 128, s, 1}), s == 1) << s;
+  }
+  EXPECT_NE(why_invalid(p, MoeTactic{GemmKernel::Sm90Stream, 16, 8, 1}).find("split_k1 must be in {1, 2, 4, 6}, got 8"),
+            std::string::npos);
+}
+
 TEST(Registry, CandidatesFollowTheFamilyRules) {
   // Large K: every split allowed in both GEMMs (H=7168: 56 chunks, I=2048: 16 chunks).
   EXPECT_EQ(candidate_tactics(problem(256, 7168, 2048, 8)),
