@@ -193,8 +193,8 @@ def test_errors_name_the_argument():
         layer(x, logits.astype(np.float64))
     with pytest.raises(fp4moe.Error, match="router_logits is required"):
         layer(x)
-    with pytest.raises(fp4moe.Error, match="routing_bias is only used by deepseek_v3"):
-        layer(x, logits, routing_bias=np.zeros(8, np.float32))
+    with pytest.raises(fp4moe.Error, match=r"routing_bias: expected shape \[E\] = \[8\], got \[7\]"):
+        layer(x, logits, routing_bias=np.zeros(7, np.float32))
     with pytest.raises(fp4moe.Error, match="exceeds the layer's max_tokens = 8"):
         big = fp4moe.random_case(problem, 9, seed=10)
         layer(big["hidden_states"], big["router_logits"])
