@@ -1,6 +1,6 @@
 """The Python module on the CPU (NumPy arrays, the reference backend): problems and presets, the layer
-against an independent NumPy model of DESIGN.md §1, the input layouts, and the error messages at the
-API boundary."""
+against an independent NumPy model of it (docs/numerics.md, "The layer, step by step"), the input
+layouts, and the error messages at the API boundary."""
 
 import pytest
 
@@ -35,7 +35,8 @@ def dequantize(packed, scales, scale_2):
 
 
 def numpy_moe_w4a16(problem, case):
-    """Renormalize routing, SwiGLU, w4a16 (DESIGN.md §1) in fp64 with the contract's bf16 roundings."""
+    """Renormalize routing, SwiGLU, w4a16 (docs/numerics.md, "The layer, step by step") in fp64 with the
+    contract's bf16 roundings."""
     assert problem.routing_method == "renormalize" and problem.activation == "swiglu"
     w = case["weights"]
     w13 = dequantize(w["w13"], w["w13_scale"], w["w13_scale_2"])
