@@ -69,6 +69,8 @@ std::string_view to_string(RoutingMethod m) { return name_of(kRoutingNames, m); 
 std::string_view to_string(Activation a) { return name_of(kActivationNames, a); }
 std::string_view to_string(ActQuant q) { return name_of(kActQuantNames, q); }
 
+bool routing_uses_bias(RoutingMethod m) { return m == RoutingMethod::DeepSeekV3; }
+
 RoutingMethod parse_routing_method(std::string_view name, std::string_view what) {
   return parse_name(kRoutingNames, name, what);
 }

@@ -9,7 +9,9 @@
 
 #include <cstdint>
 #include <initializer_list>
+#include <optional>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -84,7 +86,7 @@ std::string shape_of(const A& a) {
 
 inline std::string shape_text(const std::vector<int64_t>& shape) {
   std::string s = "[";
-  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + (shape[i] < 0 ? "?" : std::to_string(shape[i]));
   return s + "]";
 }
 
@@ -97,8 +99,32 @@ inline std::string device_name(int type, int id) {
   }
 }
 
-// Checks a caller tensor against what an entry point expects; the messages name the entry point,
-// the tensor, the expected and the actual value (DESIGN.md §1, the API boundary).
+// A caller's argument as an array (DLPack or the buffer protocol), or fp4moe.Error naming it: the
+// entry points take Python objects, so that a wrong argument is an fp4moe.Error, never a TypeError of
+// the binding. `A` is InArray (read-only accepted: inputs) or Array (writable: outputs).
+template <typename A>
+A as_array(const std::string& where, const char* name, const nb::handle& obj) {
+  A a;
+  if (nb::try_cast(obj, a, false)) return a;
+  if constexpr (!std::is_same_v<A, InArray>) {
+    InArray ro;
+    if (nb::try_cast(obj, ro, false))
+      throw Error(detail::concat(where, ": ", name, ": expected a writable tensor, got a read-only one"));
+  }
+  throw Error(detail::concat(where, ": ", name, ": expected a tensor (DLPack or the buffer protocol), got ",
+                             nb::cast<std::string>(nb::str(obj.type()))));
+}
+template <typename A>
+std::optional<A> as_optional_array(const std::string& where, const char* name, const nb::handle& obj) {
+  if (obj.is_none()) return std::nullopt;
+  return as_array<A>(where, name, obj);
+}
+
+// Checks a caller tensor against what an entry point expects, in the order that keeps every later check
+// meaningful: the device first (a pointer is only read where it lives), then the dtype, the rank and
+// shape (-1: any extent), the layout (row-major, dense) and the address's alignment. The messages name
+// the entry point, the tensor, the expected and the actual value (docs/architecture.md, "Interfaces").
+// A pointer is returned only once every check has passed.
 struct TensorCheck {
   std::string where;   // e.g. "Layer.forward"
   bool on_cuda = false;
@@ -106,19 +132,35 @@ struct TensorCheck {
 
   template <typename A>
   void* operator()(const A& a, const char* name, Elem elem, const std::vector<int64_t>& shape,
-                   const char* symbolic) const {
+                   const char* symbolic, size_t align = 0) const {
     auto fail = [&](auto&&... parts) { throw Error(detail::concat(where, ": ", name, ": ", parts...)); };
+    check_device(a, name);
     if (!matches(a.dtype(), elem)) fail("expected dtype ", expected_dtype(elem), ", got ", dtype_name(a.dtype()));
     bool same = a.ndim() == shape.size();
-    for (size_t i = 0; same && i < shape.size(); ++i) same = int64_t(a.shape(i)) == shape[i];
-    if (!same) fail("expected shape ", symbolic, " = ", shape_text(shape), ", got ", shape_of(a));
+    for (size_t i = 0; same && i < shape.size(); ++i) same = shape[i] < 0 || int64_t(a.shape(i)) == shape[i];
+    if (!same) {  // a free extent reads as the tensor's own where the rank matches
+      std::vector<int64_t> expected = shape;
+      for (size_t i = 0; i < expected.size() && i < a.ndim(); ++i)
+        if (expected[i] < 0) expected[i] = int64_t(a.shape(i));
+      fail("expected shape ", symbolic, " = ", shape_text(expected), ", got ", shape_of(a));
+    }
     check_layout(a, name);
+    if (align == 0) align = size_t(a.dtype().bits / 8);
+    const auto address = reinterpret_cast<uintptr_t>(a.data());
+    if (a.size() != 0 && align > 1 && address % align != 0)
+      fail("expected a ", align, "-byte aligned address, got ", reinterpret_cast<const void*>(address),
+           " (a view at an odd offset: make it contiguous first)");
+    return const_cast<void*>(static_cast<const void*>(a.data()));
+  }
+
+  template <typename A>
+  void check_device(const A& a, const char* name) const {
     const int type = a.device_type(), id = a.device_id();
     const bool ok = on_cuda ? (type == kDLCUDA && id == device) : (type == kDLCPU || type == kDLCUDAHost);
     if (!ok)
-      fail("expected a tensor on ", on_cuda ? device_name(kDLCUDA, device) : "the cpu", " (the layer's device), got ",
-           device_name(type, id));
-    return const_cast<void*>(static_cast<const void*>(a.data()));
+      throw Error(detail::concat(where, ": ", name, ": expected a tensor on ",
+                                 on_cuda ? device_name(kDLCUDA, device) : std::string("the cpu"),
+                                 " (the layer's device), got ", device_name(type, id)));
   }
 
   // Row-major and dense (dimensions of extent 1, and empty tensors, may have any strides).
@@ -141,6 +183,32 @@ struct TensorCheck {
     for (size_t i = 0; i < a.ndim(); ++i) s += (i ? ", " : "") + std::to_string(a.stride(i));
     return s + "]";
   }
+};
+
+// The memory of a call's checked tensors: what a call writes (outputs, workspace) must not overlap
+// what it reads or another output (the GPU stages read inputs after earlier stages wrote; the CPU layer
+// follows the same rule). Empty tensors take no memory.
+class Overlaps {
+ public:
+  template <typename A>
+  void add(const A& a, const char* name, bool written) {
+    if (a.size() == 0) return;
+    const auto begin = reinterpret_cast<uintptr_t>(a.data());
+    spans_.push_back({name, begin, begin + a.nbytes(), written});
+  }
+  void check(const std::string& where) const {
+    for (size_t i = 0; i < spans_.size(); ++i)
+      for (size_t j = 0; j < i; ++j) {
+        const Span &a = spans_[i], &b = spans_[j];
+        if ((a.written || b.written) && a.begin < b.end && b.begin < a.end)
+          throw Error(detail::concat(where, ": ", a.written ? a.name : b.name, " overlaps ", a.written ? b.name : a.name,
+                                     "; outputs and the workspace need memory of their own"));
+      }
+  }
+
+ private:
+  struct Span { const char* name; uintptr_t begin, end; bool written; };
+  std::vector<Span> spans_;
 };
 
 // ---- host arrays out: owned by a capsule, exported through DLPack and the buffer protocol ---------

@@ -116,8 +116,7 @@ int64_t check_args(const PreparedLayer& layer, bool routed, const BufferSpec& hi
   }
   expect(a, "router_logits", {ffi::DataType::F32, ffi::DataType::BF16}, {T, E}, "[T, E]");
   const bool has_bias = !(b.dims.size() == 1 && b.dims[0] == 0);
-  check(!has_bias || p.routing.method == RoutingMethod::DeepSeekV3,
-        "routing_bias is only used by deepseek_v3 routing, got method ", to_string(p.routing.method));
+  // Checked wherever given; read by deepseek_v3 only (routing_uses_bias), ignored by the other methods.
   if (has_bias) expect(b, "routing_bias", {ffi::DataType::F32}, {E}, "[E]");
   return T;
 }
@@ -164,7 +163,9 @@ ffi::Error forward(CUstream_st* stream, bool on_cuda, int32_t device_ordinal, in
     c.hidden = hidden.untyped_data();
     c.router_logits = logits.untyped_data();
     c.logits_dtype = logits.element_type() == ffi::DataType::BF16 ? LogitsDType::BF16 : LogitsDType::F32;
-    c.routing_bias = bias.element_count() > 0 ? static_cast<const float*>(bias.untyped_data()) : nullptr;
+    c.routing_bias = bias.element_count() > 0 && routing_uses_bias(p.routing.method)
+                         ? static_cast<const float*>(bias.untyped_data())
+                         : nullptr;
     c.topk_ids = static_cast<int32_t*>(topk_ids->untyped_data());
     c.topk_weights = static_cast<float*>(topk_weights->untyped_data());
     set_output(c, *output);

@@ -44,7 +44,7 @@ inline const float* logits_as_f32(const void* logits, bool bf16, size_t n, std::
   return widened.data();
 }
 
-// The weights of DESIGN.md §3 as host arrays, checked against the problem; views, valid while the
+// The weights of docs/architecture.md, "Interfaces", as host arrays, checked against the problem; views, valid while the
 // dict's arrays live.
 struct HostWeights {
   reference::MoeWeights view;
@@ -195,7 +195,7 @@ class PreparedLayer {
       return;
     }
 
-    // The CPU reference (DESIGN.md §1), with the caller's routing when precomputed.
+    // The CPU reference (docs/numerics.md, "The layer, step by step"), with the caller's routing when precomputed.
     const int64_t T = a.num_tokens;
     const bool logits_bf16 = a.logits_dtype == LogitsDType::BF16;
     std::vector<float> widened;
@@ -284,44 +284,77 @@ class Layer {
   std::string tactic(int64_t num_tokens) const { return impl_->tactic(num_tokens); }
   void use_tune_cache(const std::string& path) { impl_->use_tune_cache(path); }
 
-  void forward(const InArray& hidden, const std::optional<InArray>& logits, const std::optional<InArray>& bias,
-               const Array& topk_ids, const Array& topk_weights, const Array& output,
-               const std::optional<Array>& workspace, uintptr_t stream) {
+  // Every argument is checked (python/dlpack_tensors.hpp: device, dtype, shape, layout, alignment,
+  // overlaps, the workspace's size) before a pointer reaches the runner or the CPU reference.
+  void forward(const nb::handle& hidden_obj, const nb::handle& logits_obj, const nb::handle& bias_obj,
+               const nb::handle& ids_obj, const nb::handle& weights_obj, const nb::handle& output_obj,
+               const nb::handle& workspace_obj, uintptr_t stream) {
+    static const std::string where = "Layer.forward";
     const MoeProblem& p = impl_->problem();
     const bool routed = p.routing.method == RoutingMethod::Precomputed;
-    const TensorCheck t{"Layer.forward", impl_->on_cuda(), impl_->device_index()};
-    check(hidden.ndim() == 2, "Layer.forward: hidden_states: expected shape [T, H], got ", shape_of(hidden));
-    const int64_t T = int64_t(hidden.shape(0)), E = p.num_experts, H = p.hidden, k = p.top_k();
-    check(T <= impl_->max_tokens(), "Layer.forward: hidden_states: T = ", T, " exceeds the layer's max_tokens = ",
-          impl_->max_tokens());
+    const TensorCheck t{where, impl_->on_cuda(), impl_->device_index()};
+    const InArray hidden = as_array<InArray>(where, "hidden_states", hidden_obj);
+    const std::optional<InArray> logits = as_optional_array<InArray>(where, "router_logits", logits_obj);
+    const std::optional<InArray> bias = as_optional_array<InArray>(where, "routing_bias", bias_obj);
+    const int64_t E = p.num_experts, H = p.hidden, k = p.top_k();
     ForwardArgs c;
+    c.hidden = t(hidden, "hidden_states", Elem::BF16, {-1, H}, "[T, H]", 16);
+    const int64_t T = int64_t(hidden.shape(0));
+    check(T <= impl_->max_tokens(), where, ": hidden_states: T = ", T, " exceeds the layer's max_tokens = ",
+          impl_->max_tokens());
     c.num_tokens = T;
-    c.hidden = t(hidden, "hidden_states", Elem::BF16, {T, H}, "[T, H]");
-    check(routed != logits.has_value(), "Layer.forward: ",
+    check(routed != logits.has_value(), where, ": ",
           routed ? "routing method precomputed takes topk_ids and topk_weights, not router_logits"
                  : "router_logits is required (routing method " + std::string(to_string(p.routing.method)) + ")");
-    c.router_logits = logits ? t(*logits, "router_logits", Elem::F32OrBF16, {T, E}, "[T, E]") : nullptr;
-    c.logits_dtype = logits && !matches(logits->dtype(), Elem::F32) ? LogitsDType::BF16 : LogitsDType::F32;
-    check(!bias || p.routing.method == RoutingMethod::DeepSeekV3,
-          "Layer.forward: routing_bias is only used by deepseek_v3 routing, got method ", to_string(p.routing.method));
-    c.routing_bias = bias ? static_cast<const float*>(t(*bias, "routing_bias", Elem::F32, {E}, "[E]")) : nullptr;
-    c.topk_ids = static_cast<int32_t*>(t(topk_ids, "topk_ids", Elem::I32, {T, k}, "[T, k]"));
-    c.topk_weights = static_cast<float*>(t(topk_weights, "topk_weights", Elem::F32, {T, k}, "[T, k]"));
-    // float32: the fp32 sums before the rounding (partial outputs that the caller adds first)
-    c.output = t(output, "output", Elem::F32OrBF16, {T, H}, "[T, H]");
-    c.output_dtype = matches(output.dtype(), Elem::F32) ? OutputDType::F32 : OutputDType::BF16;
-    if (impl_->on_cuda()) {
-      check(workspace.has_value(), "Layer.forward: workspace is required on cuda (workspace_size() = ",
-            impl_->workspace_size(), " bytes)");
-      const int64_t ws_bytes = int64_t(workspace->nbytes());
-      c.workspace = t(*workspace, "workspace", Elem::Bytes, {ws_bytes}, "[workspace_size()]");
-      c.workspace_bytes = size_t(ws_bytes);
+    Overlaps memory;
+    memory.add(hidden, "hidden_states", false);
+    if (logits) {
+      c.router_logits = t(*logits, "router_logits", Elem::F32OrBF16, {T, E}, "[T, E]");
+      c.logits_dtype = matches(logits->dtype(), Elem::F32) ? LogitsDType::F32 : LogitsDType::BF16;
+      memory.add(*logits, "router_logits", false);
     }
+    // Checked wherever given; read by deepseek_v3 only (routing_uses_bias), ignored by the other methods.
+    if (bias) {
+      const void* b = t(*bias, "routing_bias", Elem::F32, {E}, "[E]");
+      if (routing_uses_bias(p.routing.method)) c.routing_bias = static_cast<const float*>(b);
+      memory.add(*bias, "routing_bias", false);
+    }
+    // Precomputed routing reads topk_ids / topk_weights; the other methods write them.
+    auto routing_tensor = [&](const nb::handle& obj, const char* name, Elem elem) {
+      std::optional<InArray> in;
+      std::optional<Array> out;
+      if (routed) in = as_array<InArray>(where, name, obj);
+      else out = as_array<Array>(where, name, obj);
+      void* ptr = in ? t(*in, name, elem, {T, k}, "[T, k]") : t(*out, name, elem, {T, k}, "[T, k]");
+      if (in) memory.add(*in, name, false);
+      else memory.add(*out, name, true);
+      return ptr;
+    };
+    c.topk_ids = static_cast<int32_t*>(routing_tensor(ids_obj, "topk_ids", Elem::I32));
+    c.topk_weights = static_cast<float*>(routing_tensor(weights_obj, "topk_weights", Elem::F32));
+    // float32: the fp32 sums before the rounding (partial outputs that the caller adds first)
+    const Array output = as_array<Array>(where, "output", output_obj);
+    c.output = t(output, "output", Elem::F32OrBF16, {T, H}, "[T, H]", 16);
+    c.output_dtype = matches(output.dtype(), Elem::F32) ? OutputDType::F32 : OutputDType::BF16;
+    memory.add(output, "output", true);
+    const std::optional<Array> workspace = as_optional_array<Array>(where, "workspace", workspace_obj);
+    if (impl_->on_cuda()) {
+      check(workspace.has_value(), where, ": workspace is required on cuda (workspace_size() = ",
+            impl_->workspace_size(), " bytes)");
+      c.workspace = t(*workspace, "workspace", Elem::Bytes, {-1}, "[bytes]", 256);
+      c.workspace_bytes = size_t(workspace->nbytes());
+      check(c.workspace_bytes >= impl_->workspace_size(), where, ": workspace: expected at least workspace_size() = ",
+            impl_->workspace_size(), " bytes, got ", c.workspace_bytes);
+      memory.add(*workspace, "workspace", true);
+    } else if (workspace) {  // the cpu layer needs none; one given is still checked
+      t(*workspace, "workspace", Elem::Bytes, {-1}, "[bytes]");
+    }
+    memory.check(where);
     try {
       nb::gil_scoped_release release;
       impl_->run(c, stream);
     } catch (const Error& e) {
-      throw Error(std::string("Layer.forward: ") + e.what());
+      throw Error(where + ": " + e.what());
     }
   }
 
@@ -348,18 +381,32 @@ class Router {
 
   std::string device() const { return gpu_ ? "cuda:" + std::to_string(device_) : "cpu"; }
 
-  void route(const InArray& logits, const std::optional<InArray>& bias, const Array& topk_ids,
-             const Array& topk_weights, uintptr_t stream) const {
-    const TensorCheck t{"Router.route", gpu_ != nullptr, device_};
-    check(logits.ndim() == 2, "Router.route: router_logits: expected shape [T, E], got ", shape_of(logits));
-    const int64_t T = int64_t(logits.shape(0)), E = num_experts_, k = params_.top_k;
-    const void* s = t(logits, "router_logits", Elem::F32OrBF16, {T, E}, "[T, E]");
+  void route(const nb::handle& logits_obj, const nb::handle& bias_obj, const nb::handle& ids_obj,
+             const nb::handle& weights_obj, uintptr_t stream) const {
+    static const std::string where = "Router.route";
+    const TensorCheck t{where, gpu_ != nullptr, device_};
+    const InArray logits = as_array<InArray>(where, "router_logits", logits_obj);
+    const std::optional<InArray> bias = as_optional_array<InArray>(where, "routing_bias", bias_obj);
+    const int64_t E = num_experts_, k = params_.top_k;
+    const void* s = t(logits, "router_logits", Elem::F32OrBF16, {-1, E}, "[T, E]");
+    const int64_t T = int64_t(logits.shape(0));
     const bool logits_bf16 = !matches(logits.dtype(), Elem::F32);
-    check(!bias || params_.method == RoutingMethod::DeepSeekV3,
-          "Router.route: routing_bias is only used by deepseek_v3 routing, got method ", to_string(params_.method));
-    const float* b = bias ? static_cast<const float*>(t(*bias, "routing_bias", Elem::F32, {E}, "[E]")) : nullptr;
-    auto* ids = static_cast<int32_t*>(t(topk_ids, "topk_ids", Elem::I32, {T, k}, "[T, k]"));
-    auto* weights = static_cast<float*>(t(topk_weights, "topk_weights", Elem::F32, {T, k}, "[T, k]"));
+    Overlaps memory;
+    memory.add(logits, "router_logits", false);
+    // Checked wherever given; read by deepseek_v3 only (routing_uses_bias), ignored by the other methods.
+    const float* b = nullptr;
+    if (bias) {
+      const void* given = t(*bias, "routing_bias", Elem::F32, {E}, "[E]");
+      if (routing_uses_bias(params_.method)) b = static_cast<const float*>(given);
+      memory.add(*bias, "routing_bias", false);
+    }
+    const Array ids_array = as_array<Array>(where, "topk_ids", ids_obj);
+    const Array weights_array = as_array<Array>(where, "topk_weights", weights_obj);
+    auto* ids = static_cast<int32_t*>(t(ids_array, "topk_ids", Elem::I32, {T, k}, "[T, k]"));
+    auto* weights = static_cast<float*>(t(weights_array, "topk_weights", Elem::F32, {T, k}, "[T, k]"));
+    memory.add(ids_array, "topk_ids", true);
+    memory.add(weights_array, "topk_weights", true);
+    memory.check(where);
     if (gpu_) {
       Status st;
       {
@@ -367,7 +414,7 @@ class Router {
         st = gpu_->route(reinterpret_cast<CUstream_st*>(stream), T, s, logits_bf16 ? LogitsDType::BF16 : LogitsDType::F32,
                          b, ids, weights);
       }
-      if (!st.ok()) throw Error("Router.route: " + st.message);
+      if (!st.ok()) throw Error(where + ": " + st.message);
       return;
     }
     std::vector<float> widened;

@@ -186,7 +186,7 @@ NB_MODULE(_fp4moe, m) {
   m.attr("__version__") = std::string(fp4moe_version());
   nb::exception<Error>(m, "Error", PyExc_ValueError);
 
-  nb::class_<MoeProblem>(m, "Problem", "What a MoE layer computes (DESIGN.md §1, §3, §4): shapes, routing, "
+  nb::class_<MoeProblem>(m, "Problem", "What a MoE layer computes (docs/numerics.md; docs/architecture.md, \"Interfaces\"): shapes, routing, "
                                        "activation, quantization mode.")
       .def("__init__",
            [](MoeProblem* self, int64_t num_experts, int64_t hidden, int64_t inter, int top_k,
@@ -251,7 +251,7 @@ NB_MODULE(_fp4moe, m) {
       .def("__repr__", [](const MoeProblem& p) { return "fp4moe.Problem(" + p.describe() + ")"; });
 
   m.def("preset", [](const std::string& name, const std::string& act_quant) { return preset(name, parse_act_quant(act_quant)); },
-        "name"_a, "act_quant"_a = "w4a16", "A model preset of DESIGN.md §3 (deepseek-r1, qwen3-30b-a3b, ...).");
+        "name"_a, "act_quant"_a = "w4a16", "A model preset (docs/architecture.md, \"Interfaces\": deepseek-r1, qwen3-30b-a3b, ...).");
   m.def("preset_names", &preset_names);
   m.def("cuda_device_available", [] {
     std::string why;
@@ -274,7 +274,8 @@ NB_MODULE(_fp4moe, m) {
   nb::class_<Router>(m, "Router", "Routing alone, over the experts of a problem ('cuda' or the 'cpu' reference).")
       .def(nb::init<const MoeProblem&, const std::string&, int>(), "problem"_a, "device"_a, "device_index"_a = 0)
       .def_prop_ro("device", &Router::device)
-      .def("route", &Router::route, "router_logits"_a, "routing_bias"_a.none(), "topk_ids"_a, "topk_weights"_a,
+      .def("route", &Router::route, "router_logits"_a.none(), "routing_bias"_a.none(), "topk_ids"_a.none(),
+           "topk_weights"_a.none(),
            "stream"_a, "Top-k ids and weights into caller tensors (no allocation, no synchronisation on cuda).");
 
   nb::class_<Layer>(m, "Layer", "One prepared MoE layer on a device ('cuda' or the 'cpu' reference).")
@@ -288,8 +289,8 @@ NB_MODULE(_fp4moe, m) {
       .def("workspace_size", &Layer::workspace_size, "Bytes of device workspace a forward needs (0 on the cpu).")
       .def("tactic", &Layer::tactic, "num_tokens"_a, "The tactic a forward of num_tokens tokens uses (cuda).")
       .def("use_tune_cache", &Layer::use_tune_cache, "path"_a)
-      .def("forward", &Layer::forward, "hidden_states"_a, "router_logits"_a.none(), "routing_bias"_a.none(),
-           "topk_ids"_a, "topk_weights"_a, "output"_a, "workspace"_a.none(), "stream"_a,
+      .def("forward", &Layer::forward, "hidden_states"_a.none(), "router_logits"_a.none(), "routing_bias"_a.none(),
+           "topk_ids"_a.none(), "topk_weights"_a.none(), "output"_a.none(), "workspace"_a.none(), "stream"_a,
            "Runs the layer into caller tensors (no allocation, no synchronisation on cuda).");
 
   bind_jax_ffi(m);

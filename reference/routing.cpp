@@ -22,7 +22,7 @@
 //                           id); select top-k by c among the experts of the kept groups. n_group == 1:
 //                           top-k by c over all E. w_j = sig_j / (sum_sel sig + 1e-20) * scale, double.
 //      Sums run in slot order (or expert order over E) in double.
-// The routing bias is used by deepseek_v3 only; other methods ignore it.
+// The routing bias is used by deepseek_v3 only; other methods ignore it (routing_uses_bias).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -197,7 +197,7 @@ Routing route(const RoutingParams& params, int64_t num_tokens, int64_t num_exper
   check_route_args(params, num_tokens, num_experts, logits);
   const int k = params.top_k;
   const int32_t E = static_cast<int32_t>(num_experts);
-  const float* b = params.method == RoutingMethod::DeepSeekV3 ? bias : nullptr;
+  const float* b = routing_uses_bias(params.method) ? bias : nullptr;
   Routing r;
   r.ids.resize(static_cast<size_t>(num_tokens) * k);
   r.weights.resize(static_cast<size_t>(num_tokens) * k);

@@ -271,6 +271,10 @@ Status GpuMoeRunner::check_args(cudaStream_t stream, const ForwardArgs& a, bool 
   if (a.workspace_bytes < need)
     return fail("workspace_bytes must be >= workspace_size(max_tokens) = ", need, ", got ", a.workspace_bytes,
                 " (the size depends on the tactics: ask again after force_tactic / use_tune_cache)");
+  if (routed && problem_.routing.method != RoutingMethod::Precomputed && a.router_logits)
+    return fail("router_logits given to forward_routed; use forward to route from logits");
+  if (!routed && problem_.routing.method == RoutingMethod::Precomputed)
+    return fail("routing method is precomputed: call forward_routed with topk_ids/topk_weights");
   if (a.num_tokens == 0) return Status::success();
   // NOTE: pointer and stream queries are not stream operations, but CUDA counts them as unsafe while
   // a graph is captured in global mode; a capturing call checks what needs no query.
@@ -280,27 +284,45 @@ Status GpuMoeRunner::check_args(cudaStream_t stream, const ForwardArgs& a, bool 
     return fail("the stream is not a valid CUDA stream");
   }
   const bool capturing = capture != cudaStreamCaptureStatusNone;
-  struct Ptr { const void* p; const char* name; size_t align; };
+  // A bias is read by deepseek_v3 only; the other methods accept one and ignore it (routing_uses_bias).
+  const bool bias_read = a.routing_bias != nullptr && routing_uses_bias(problem_.routing.method);
+  const size_t T = size_t(a.num_tokens), H = size_t(problem_.hidden), E = size_t(problem_.num_experts),
+               k = size_t(problem_.top_k());
+  const size_t logits_elem = a.logits_dtype == LogitsDType::F32 ? 4 : 2;
+  struct Ptr { const void* p; const char* name; size_t align; size_t bytes; bool written; bool used; };
   // NOTE: a fixed array, not a vector: the forward path allocates nothing on the host either.
-  const Ptr ptrs[] = {{a.hidden, "hidden", 16},           {a.output, "output", 16},
-                      {a.topk_ids, "topk_ids", 4},        {a.topk_weights, "topk_weights", 4},
-                      {a.workspace, "workspace", kAlign},
-                      {a.router_logits, "router_logits", a.logits_dtype == LogitsDType::F32 ? 4u : 2u}};
-  for (const Ptr& q : std::span(ptrs, routed ? 5 : 6)) {  // routed: no logits
+  const Ptr ptrs[] = {
+      {a.hidden, "hidden", 16, T * H * 2, false, true},
+      {a.output, "output", 16, T * H * (a.output_dtype == OutputDType::F32 ? 4 : 2), true, true},
+      {a.topk_ids, "topk_ids", 4, T * k * 4, !routed, true},
+      {a.topk_weights, "topk_weights", 4, T * k * 4, !routed, true},
+      {a.workspace, "workspace", kAlign, a.workspace_bytes, true, true},
+      {a.router_logits, "router_logits", logits_elem, T * E * logits_elem, false, !routed},
+      {a.routing_bias, "routing_bias", 4, E * 4, false, bias_read}};
+  for (const Ptr& q : ptrs) {
+    if (!q.used) continue;
     if (!q.p) return fail(q.name, " is null");
-    if (reinterpret_cast<uintptr_t>(q.p) % q.align != 0) return fail(q.name, " must be ", q.align, "-byte aligned");
+    if (reinterpret_cast<uintptr_t>(q.p) % q.align != 0)
+      return fail(q.name, " must be ", q.align, "-byte aligned, got address ", q.p);
     if (capturing) continue;
     cudaPointerAttributes attr{};
     if (cudaPointerGetAttributes(&attr, q.p) != cudaSuccess || attr.type != cudaMemoryTypeDevice)
       return (void)cudaGetLastError(), fail(q.name, " must be device memory");
     if (attr.device != device_) return fail(q.name, " is on device ", attr.device, " but the runner is on device ", device_);
   }
-  if (routed && problem_.routing.method != RoutingMethod::Precomputed && a.router_logits)
-    return fail("router_logits given to forward_routed; use forward to route from logits");
-  if (!routed && problem_.routing.method == RoutingMethod::Precomputed)
-    return fail("routing method is precomputed: call forward_routed with topk_ids/topk_weights");
-  if (a.routing_bias && problem_.routing.method != RoutingMethod::DeepSeekV3)
-    return fail("routing_bias is only used by deepseek_v3 routing, got method ", to_string(problem_.routing.method));
+  // What the forward writes must not overlap what it reads or another of its outputs: the kernels
+  // read their inputs after earlier stages have written.
+  for (const Ptr& w : ptrs) {
+    if (!w.used || !w.written) continue;
+    const auto wb = reinterpret_cast<uintptr_t>(w.p);
+    for (const Ptr& q : ptrs) {
+      if (&q == &w || !q.used || (q.written && &q < &w)) continue;  // each pair of outputs once
+      const auto qb = reinterpret_cast<uintptr_t>(q.p);
+      if (wb < qb + q.bytes && qb < wb + w.bytes)
+        return fail(w.name, " overlaps ", q.name, " (", w.bytes, " bytes at ", w.p, ", ", q.bytes, " bytes at ", q.p,
+                    "); outputs and the workspace need memory of their own");
+    }
+  }
   if (stream && !capturing) {
     int stream_device = -1;
     if (cudaStreamGetDevice(stream, &stream_device) == cudaSuccess && stream_device != device_)

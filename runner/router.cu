@@ -29,8 +29,7 @@ Status GpuRouter::route(CUstream_st* stream, int64_t num_tokens, const void* log
   auto fail = [](auto&&... parts) { return Status::failure(detail::concat("GpuRouter::route: ", parts...)); };
   if (num_tokens < 0 || num_tokens * params_.top_k >= (int64_t(1) << 31))
     return fail("num_tokens must be >= 0 with num_tokens * top_k < 2^31, got ", num_tokens);
-  if (bias && params_.method != RoutingMethod::DeepSeekV3)
-    return fail("bias is only used by deepseek_v3 routing, got method ", to_string(params_.method));
+  if (!routing_uses_bias(params_.method)) bias = nullptr;  // accepted and ignored (fp4moe/problem.hpp)
   if (num_tokens == 0) return Status::success();
   const size_t logits_align = logits_dtype == LogitsDType::F32 ? 4 : 2;
   for (auto [p, name, align] : {std::tuple<const void*, const char*, size_t>{logits, "logits", logits_align},

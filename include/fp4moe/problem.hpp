@@ -45,6 +45,12 @@ RoutingMethod parse_routing_method(std::string_view name, std::string_view what 
 Activation parse_activation(std::string_view name, std::string_view what = "activation");
 ActQuant parse_act_quant(std::string_view name, std::string_view what = "act_quant");
 
+// Whether routing by `m` reads a routing bias: deepseek_v3 only. Every other method accepts a bias and
+// ignores it (its dtype and shape are still checked where it is given), as FlashInfer's kernels do with
+// Llama-4's. The CPU reference, the GPU runner and router, and the Python and JAX entry points follow
+// this one rule.
+bool routing_uses_bias(RoutingMethod m);
+
 struct RoutingParams {
   RoutingMethod method = RoutingMethod::Renormalize;
   int top_k = 1;

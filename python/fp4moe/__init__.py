@@ -6,7 +6,7 @@ Blackwell NVFP4 kernels (W4A4) or weight-only W4A16, and the CPU reference of th
     layer = fp4moe.MoeLayer(problem, weights, device="cuda:0", max_tokens=8192)
     output, topk_ids, topk_weights = layer(hidden_states, router_logits)
 
-`weights` maps the tensor names of DESIGN.md §3 (w13, w13_scale, w13_scale_2, w13_input_scale, w2,
+`weights` maps the tensor names of docs/architecture.md, "Interfaces" (w13, w13_scale, w13_scale_2, w13_input_scale, w2,
 w2_scale, w2_scale_2, w2_input_scale) to arrays of any DLPack framework (torch, CuPy, NumPy, ...);
 `load_checkpoint_layer` reads them from an NVFP4 checkpoint. Tensors pass through DLPack without a
 copy. On "cuda" the forward launches on the caller's stream (torch's or CuPy's current stream unless
@@ -68,16 +68,38 @@ def _to_host(name, x):
     return x
 
 
-def _stream_handle(stream, like):
-    """The CUDA stream as an integer handle: given (int, torch.cuda.Stream, cupy Stream), else the
-    current stream of `like`'s framework."""
+def _is_stream_object(stream):
+    return hasattr(stream, "cuda_stream") or hasattr(stream, "ptr")
+
+
+def _stream_device(stream):
+    """The CUDA device index of a torch or CuPy stream object, or None when it does not say."""
+    device = getattr(stream, "device", None)  # torch.cuda.Stream: a torch.device
+    if device is not None and getattr(device, "index", None) is not None:
+        return int(device.index)
+    device_id = getattr(stream, "device_id", None)  # cupy.cuda.Stream
+    return int(device_id) if isinstance(device_id, int) else None
+
+
+def _stream_handle(stream, like, device_index=None):
+    """The CUDA stream as an integer handle: given (int, torch.cuda.Stream, cupy Stream; an object's
+    device must be `device_index`), else the current stream of `like`'s framework. An int handle is
+    taken as it is: it must name a live stream of the layer's device (0 is the legacy default stream)."""
     if stream is not None:
+        if isinstance(stream, bool) or not (isinstance(stream, int) or _is_stream_object(stream)):
+            raise Error(f"fp4moe: stream must be an int handle, a torch.cuda.Stream or a cupy Stream, got "
+                        f"{_type_name(stream)}")
         if isinstance(stream, int):
+            if stream < 0 or stream >= 1 << 64:
+                raise Error(f"fp4moe: stream: an int handle must be in [0, 2**64), got {stream}")
             return stream
+        index = _stream_device(stream)
+        if device_index is not None and index is not None and index != device_index:
+            raise Error(f"fp4moe: stream: expected a stream of cuda:{device_index} (the layer's device), got one of "
+                        f"cuda:{index}")
         for attribute in ("cuda_stream", "ptr"):  # torch.cuda.Stream, cupy.cuda.Stream
             if hasattr(stream, attribute):
                 return int(getattr(stream, attribute))
-        raise Error(f"fp4moe: stream must be an int handle, a torch.cuda.Stream or a cupy Stream, got {_type_name(stream)}")
     framework = _framework(like)
     if framework == "torch":
         import torch
@@ -93,6 +115,18 @@ def _stream_handle(stream, like):
                 "pass stream= (an int handle; 0 is the legacy default stream)")
 
 
+def _shape(where, name, x, rank):
+    """x's shape as a tuple of `rank` ints, or fp4moe.Error naming the argument (before any allocation)."""
+    shape = getattr(x, "shape", None)
+    if shape is None or not hasattr(x, "dtype"):
+        raise Error(f"{where}: {name}: expected a tensor (torch, CuPy, NumPy or another DLPack array), got "
+                    f"{_type_name(x)}")
+    shape = tuple(int(d) for d in shape)
+    if len(shape) != rank:
+        raise Error(f"{where}: {name}: expected a tensor of rank {rank}, got shape {list(shape)}")
+    return shape
+
+
 def _parse_device(device):
     """("cpu", 0) or ("cuda", index) from "cpu", "cuda", "cuda:N" or a torch.device."""
     text = str(device)
@@ -100,7 +134,10 @@ def _parse_device(device):
         return "cpu", 0
     if text == "cuda" or text.startswith("cuda:"):
         if ":" in text:
-            return "cuda", int(text.split(":", 1)[1])
+            index = text.split(":", 1)[1]
+            if not index.isdigit():
+                raise Error(f"fp4moe: device must be 'cpu', 'cuda' or 'cuda:N', got '{text}'")
+            return "cuda", int(index)
         try:
             import torch
             return "cuda", torch.cuda.current_device()
@@ -140,8 +177,10 @@ class MoeLayer:
 
     def __init__(self, problem, weights, *, device="cuda", max_tokens=8192, scales_swizzled=False,
                  w13_up_gate=False):
+        _check_problem("MoeLayer", problem)
+        max_tokens = _index("MoeLayer", "max_tokens", max_tokens)
         kind, index = _parse_device(device)
-        host = {name: _to_host(name, value) for name, value in dict(weights).items()}
+        host = {name: _to_host(name, value) for name, value in _weights_dict("MoeLayer", weights).items()}
         self._impl = _fp4moe.Layer(problem, host, kind, max_tokens, index, scales_swizzled, w13_up_gate)
         self._on_cuda = kind == "cuda"
         self._device_index = index
@@ -194,7 +233,7 @@ class MoeLayer:
         if output_dtype not in ("bfloat16", "float32"):
             raise Error(f"MoeLayer: output_dtype must be 'bfloat16' or 'float32', got {output_dtype!r}")
         problem = self.problem
-        T = hidden_states.shape[0]
+        T = _shape("MoeLayer", "hidden_states", hidden_states, 2)[0]
         output = _empty(hidden_states, (T, problem.hidden), "bf16" if output_dtype == "bfloat16" else "float32")
         if problem.routing_method != "precomputed":
             if topk_ids is not None or topk_weights is not None:
@@ -221,19 +260,21 @@ class MoeLayer:
                 raise Error("MoeLayer.forward_into: a cuda layer's workspace is allocated with torch or CuPy and "
                             "neither is installed (pass workspace=, or call the layer from JAX through "
                             "fp4moe.jax_ops, which XLA allocates for)")
-        handle = _stream_handle(stream, hidden_states) if self._on_cuda else 0
+        handle = _stream_handle(stream, hidden_states, self._device_index) if self._on_cuda else 0
         self._impl.forward(hidden_states, router_logits, routing_bias, topk_ids, topk_weights, output, workspace,
                            handle)
 
 
 class Router:
-    """Routing alone (DESIGN.md §4) over the experts of `problem` (its routing method, k, groups,
+    """Routing alone (docs/numerics.md, "Routing methods") over the experts of `problem` (its routing method, k, groups,
     scaling): the whole layer's routing, which expert-parallel ranks share before each runs its own
     experts. On "cuda" the same kernel and bits as MoeLayer's routing; on "cpu" the reference."""
 
     def __init__(self, problem, *, device="cuda"):
+        _check_problem("Router", problem)
         kind, index = _parse_device(device)
         self._impl = _fp4moe.Router(problem, kind, index)
+        self._device_index = index
         self.problem = problem
 
     @property
@@ -245,12 +286,42 @@ class Router:
 
     def __call__(self, router_logits, routing_bias=None, *, stream=None):
         """(topk_ids [T, k] int32, topk_weights [T, k] float32), allocated like router_logits."""
-        tokens, k = router_logits.shape[0], self.problem.top_k
+        tokens, k = _shape("Router", "router_logits", router_logits, 2)[0], self.problem.top_k
         topk_ids = _empty(router_logits, (tokens, k), "int32")
         topk_weights = _empty(router_logits, (tokens, k), "float32")
-        handle = 0 if self._impl.device == "cpu" else _stream_handle(stream, router_logits)
+        handle = 0 if self._impl.device == "cpu" else _stream_handle(stream, router_logits, self._device_index)
         self._impl.route(router_logits, routing_bias, topk_ids, topk_weights, handle)
         return topk_ids, topk_weights
+
+
+def _index(where, name, value):
+    """An int argument (bool excluded), or fp4moe.Error naming it."""
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise Error(f"{where}: {name} must be an int, got {_type_name(value)}")
+    value = int(value.__index__())
+    if not -(1 << 31) <= value < 1 << 31:
+        raise Error(f"{where}: {name} must fit in 32 bits, got {value}")
+    return value
+
+
+def _weights_dict(where, weights):
+    if not hasattr(weights, "items"):
+        raise Error(f"{where}: weights must be a dict of tensors, got {_type_name(weights)}")
+    weights = dict(weights.items())
+    for key in weights:
+        if not isinstance(key, str):
+            raise Error(f"{where}: weights: keys must be tensor names (str), got {_type_name(key)}")
+    return weights
+
+
+def _check_problem(where, problem):
+    if not isinstance(problem, Problem):
+        raise Error(f"{where}: problem must be an fp4moe.Problem, got {_type_name(problem)}")
+
+
+def _check_framework(where, framework):
+    if framework not in ("numpy", "torch"):
+        raise Error(f"{where}: framework must be 'numpy' or 'torch', got {framework!r}")
 
 
 _BF16_BITS = ("hidden_states", "router_weight")  # host arrays holding bf16 as uint16 bits
@@ -282,6 +353,20 @@ def load_checkpoint_layer(checkpoint, layer, *, ep_rank=0, ep_size=1, tp_rank=0,
     model has one, "expert_begin" / "expert_end" (this expert-parallel rank's global ids),
     "inter_begin" / "inter_end" of "total_inter" (this tensor-parallel rank's columns of I; see
     tensor_parallel_shard) and the w1/w3 scale-fusion report. `framework`: "numpy" or "torch" (CPU tensors)."""
+    where = "load_checkpoint_layer"
+    layer = _index(where, "layer", layer)
+    ep_rank, ep_size = _index(where, "ep_rank", ep_rank), _index(where, "ep_size", ep_size)
+    tp_rank, tp_size = _index(where, "tp_rank", tp_rank), _index(where, "tp_size", tp_size)
+    for rank_name, rank, size_name, size in (("ep_rank", ep_rank, "ep_size", ep_size),
+                                             ("tp_rank", tp_rank, "tp_size", tp_size)):
+        if size < 1 or not 0 <= rank < size:
+            raise Error(f"{where}: expected 0 <= {rank_name} < {size_name} with {size_name} >= 1, got {rank_name} "
+                        f"{rank}, {size_name} {size}")
+    if layer < 0:
+        raise Error(f"{where}: layer must be >= 0, got {layer}")
+    if not isinstance(fusion, str):
+        raise Error(f"{where}: fusion must be a string, got {_type_name(fusion)}")
+    _check_framework(where, framework)
     return _convert(_fp4moe.load_layer(str(checkpoint), layer, ep_rank=ep_rank, ep_size=ep_size, tp_rank=tp_rank,
                                        tp_size=tp_size, fusion=fusion), framework)
 
@@ -294,7 +379,12 @@ def tensor_parallel_shard(problem, weights, rank, size, framework="numpy"):
     of the ranks' outputs is the whole layer's output, up to fp32 summation order and the bf16
     rounding of each rank's partial output (fp4moe.torch_ops.FusedMoE all-reduces it when given a
     process group)."""
-    host = {name: _to_host(name, value) for name, value in dict(weights).items()}
+    _check_problem("tensor_parallel_shard", problem)
+    rank, size = _index("tensor_parallel_shard", "rank", rank), _index("tensor_parallel_shard", "size", size)
+    if size < 1 or not 0 <= rank < size:
+        raise Error(f"tensor_parallel_shard: expected 0 <= rank < size with size >= 1, got rank {rank}, size {size}")
+    _check_framework("tensor_parallel_shard", framework)
+    host = {name: _to_host(name, value) for name, value in _weights_dict("tensor_parallel_shard", weights).items()}
     return _convert(_fp4moe.tensor_parallel_shard(problem, host, rank, size), framework)
 
 

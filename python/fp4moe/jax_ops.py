@@ -41,7 +41,10 @@ def _impl(layer):
     return impl
 
 
-def _spec(x):
+def _spec(name, x):
+    """(dtype, shape) of a traced argument, or fp4moe.Error naming it (the C++ check takes it from here)."""
+    if not hasattr(x, "dtype") or not hasattr(x, "shape"):
+        raise Error(f"fp4moe.jax_ops: {name}: expected a jax array, got {type(x).__module__}.{type(x).__name__}")
     return str(x.dtype), [int(d) for d in x.shape]
 
 
@@ -56,13 +59,14 @@ def _results(impl, T, output_dtype, *routing):
 
 def moe_forward(layer, hidden_states, router_logits, routing_bias=None, output_dtype=jnp.bfloat16):
     """The layer on hidden_states (bf16 [T, H]) routed by router_logits (float32 or bfloat16 [T, E]);
-    routing_bias (float32 [E]) with deepseek_v3 routing. Returns (output bf16 [T, H], topk_ids int32
+    routing_bias (float32 [E]) is read by deepseek_v3 routing and ignored (but checked) by the others. Returns (output bf16 [T, H], topk_ids int32
     [T, k], topk_weights float32 [T, k]); output_dtype=jnp.float32 gives the fp32 sums before the
     rounding (partial outputs of tensor / expert parallelism, to add in fp32 and round once)."""
     impl = _impl(layer)
     if routing_bias is None:
         routing_bias = jnp.zeros((0,), jnp.float32)  # none: the handler sees an empty buffer
-    T = _fp4moe._jax_check_args(impl, False, _spec(hidden_states), _spec(router_logits), _spec(routing_bias))
+    T = _fp4moe._jax_check_args(impl, False, _spec("hidden_states", hidden_states),
+                                  _spec("router_logits", router_logits), _spec("routing_bias", routing_bias))
     k = impl.problem.top_k
     results = _results(impl, T, output_dtype, jax.ShapeDtypeStruct((T, k), jnp.int32),
                        jax.ShapeDtypeStruct((T, k), jnp.float32))
@@ -76,7 +80,8 @@ def moe_forward_routed(layer, hidden_states, topk_ids, topk_weights, output_dtyp
     (int32 [T, k]) and topk_weights (float32 [T, k]). Returns the output, bf16 [T, H] (or float32:
     see moe_forward)."""
     impl = _impl(layer)
-    T = _fp4moe._jax_check_args(impl, True, _spec(hidden_states), _spec(topk_ids), _spec(topk_weights))
+    T = _fp4moe._jax_check_args(impl, True, _spec("hidden_states", hidden_states),
+                                  _spec("topk_ids", topk_ids), _spec("topk_weights", topk_weights))
     output, _ = jax.ffi.ffi_call("fp4moe_moe_forward_routed", _results(impl, T, output_dtype))(
         hidden_states, topk_ids, topk_weights, layer=np.int64(impl.id))
     return output

@@ -29,6 +29,9 @@ _handles = itertools.count(1)
 
 def register_layer(layer) -> int:
     """A handle for `layer` (an fp4moe.MoeLayer or fp4moe.Router) to pass to the ops (valid while it lives)."""
+    if not isinstance(layer, (MoeLayer, Router)):
+        raise Error(f"register_layer: expected an fp4moe.MoeLayer or fp4moe.Router, got {type(layer).__module__}."
+                    f"{type(layer).__name__}")
     handle = next(_handles)
     _layers[handle] = layer
     return handle
@@ -88,6 +91,13 @@ def _(router, router_logits, routing_bias=None):
             router_logits.new_empty((router_logits.shape[0], k), dtype=torch.float32))
 
 
+def _tensor(name, x, optional=False):
+    if (x is None and optional) or isinstance(x, torch.Tensor):
+        return
+    raise Error(f"FusedMoE: {name}: expected a torch.Tensor{' or None' if optional else ''}, got "
+                f"{type(x).__module__}.{type(x).__name__}")
+
+
 class FusedMoE(torch.nn.Module):
     """An NVFP4 MoE layer as a torch module (weights prepared once; see fp4moe.MoeLayer).
 
@@ -138,6 +148,14 @@ class FusedMoE(torch.nn.Module):
 
     def forward(self, hidden_states, router_logits=None, routing_bias=None, topk_ids=None, topk_weights=None,
                 return_routing=False):
+        # The ops' schemas take tensors: anything else is an fp4moe.Error here, not the dispatcher's TypeError.
+        _tensor("hidden_states", hidden_states)
+        _tensor("routing_bias", routing_bias, optional=True)
+        _tensor("router_logits", router_logits, optional=True)
+        _tensor("topk_ids", topk_ids, optional=True)
+        _tensor("topk_weights", topk_weights, optional=True)
+        if not self.precomputed and router_logits is None:
+            raise Error(f"FusedMoE: router_logits is required (routing method {self.layer.problem.routing_method})")
         if self.precomputed:
             if self.router is not None and router_logits is not None:  # the whole layer's routing
                 topk_ids, topk_weights = torch.ops.fp4moe.route(self.router_handle, router_logits, routing_bias)

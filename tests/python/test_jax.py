@@ -122,8 +122,14 @@ def test_errors_at_trace_time_name_the_argument():
     tiny_case = fp4moe.random_case(tiny, 2, seed=6)
     tiny_layer = fp4moe.MoeLayer(tiny, tiny_case["weights"], device="cpu", max_tokens=2)
     tx, tlogits, _ = inputs(tiny_case, CPU)
-    fails(r"routing_bias is only used by deepseek_v3 routing, got method renormalize", tx, tlogits,
-          jnp.zeros((tiny.num_experts,), jnp.float32), on=tiny_layer)
+    # A bias is ignored by renormalize routing (fp4moe/problem.hpp, routing_uses_bias), but still checked.
+    fails(r"routing_bias: expected shape \[E\] = \[8\], got \[3\]", tx, tlogits, jnp.zeros((3,), jnp.float32),
+          on=tiny_layer)
+    ignored = jax.jit(lambda *a: jax_ops.moe_forward(tiny_layer, *a))(tx, tlogits, jnp.ones((tiny.num_experts,),
+                                                                                            jnp.float32))
+    plain = jax.jit(lambda *a: jax_ops.moe_forward(tiny_layer, *a))(tx, tlogits)
+    for a, b in zip(ignored, plain):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
     routed = fp4moe.MoeLayer(ROUTED, fp4moe.random_case(ROUTED, 1, seed=7)["weights"], device="cpu", max_tokens=4)
     fails(r"routing method precomputed: call moe_forward_routed", bf16(np.zeros((1, 256), np.uint16), CPU),

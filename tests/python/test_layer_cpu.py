@@ -1,6 +1,6 @@
 """The Python module on the CPU (NumPy arrays, the reference backend): problems and presets, the layer
-against an independent NumPy model of DESIGN.md §1, the input layouts, and the error messages at the
-API boundary."""
+against an independent NumPy model of it (docs/numerics.md, "The layer, step by step"), the input
+layouts, and the error messages at the API boundary."""
 
 import pytest
 
@@ -35,7 +35,8 @@ def dequantize(packed, scales, scale_2):
 
 
 def numpy_moe_w4a16(problem, case):
-    """Renormalize routing, SwiGLU, w4a16 (DESIGN.md §1) in fp64 with the contract's bf16 roundings."""
+    """Renormalize routing, SwiGLU, w4a16 (docs/numerics.md, "The layer, step by step") in fp64 with the
+    contract's bf16 roundings."""
     assert problem.routing_method == "renormalize" and problem.activation == "swiglu"
     w = case["weights"]
     w13 = dequantize(w["w13"], w["w13_scale"], w["w13_scale_2"])
@@ -193,8 +194,8 @@ def test_errors_name_the_argument():
         layer(x, logits.astype(np.float64))
     with pytest.raises(fp4moe.Error, match="router_logits is required"):
         layer(x)
-    with pytest.raises(fp4moe.Error, match="routing_bias is only used by deepseek_v3"):
-        layer(x, logits, routing_bias=np.zeros(8, np.float32))
+    with pytest.raises(fp4moe.Error, match=r"routing_bias: expected shape \[E\] = \[8\], got \[7\]"):
+        layer(x, logits, routing_bias=np.zeros(7, np.float32))
     with pytest.raises(fp4moe.Error, match="exceeds the layer's max_tokens = 8"):
         big = fp4moe.random_case(problem, 9, seed=10)
         layer(big["hidden_states"], big["router_logits"])
