@@ -6,6 +6,7 @@
 //   fp4moe run --checkpoint DIR --layer L --tokens T [--device cpu|cuda] [--out OUT] [--seed S]
 //   fp4moe inspect DIR
 //   fp4moe tune --show [--cache FILE]
+//   fp4moe soak --out DIR [--problems N] [--seed S] [--start I] [--device cuda|cpu]
 #include <CLI/CLI.hpp>
 
 #include <chrono>
@@ -23,6 +24,7 @@
 #include "fp4moe/runner.hpp"
 #include "tools/bench_command.hpp"
 #include "tools/checkpoint_commands.hpp"
+#include "tools/soak_command.hpp"
 #include "tools/tune_command.hpp"
 
 namespace fp4moe::tools {
@@ -155,6 +157,8 @@ int main(int argc, char** argv) {
   add_make_fixture_command(app, fixture);
   TuneOptions tune;
   add_tune_command(app, tune);
+  SoakOptions soak;
+  add_soak_command(app, soak);
 
   CLI11_PARSE(app, argc, argv);
   try {
@@ -172,6 +176,7 @@ int main(int argc, char** argv) {
     if (fixture.command->parsed()) return run_make_fixture_command(fixture);
     if (bench.command->parsed()) return run_bench_command(bench);
     if (tune.command->parsed()) return run_tune_command(tune);
+    if (soak.command->parsed()) return run_soak_command(soak);
     if (demo->parsed()) return cmd_demo(model, tokens, demo_device, seed);
   } catch (const fp4moe::Error& e) {
     std::fprintf(stderr, "fp4moe: error: %s\n", e.what());
