@@ -101,6 +101,10 @@ void MoeProblem::validate() const {
   if (routing.method == RoutingMethod::DeepSeekV3) {
     const int ng = routing.n_group;
     check(ng >= 1, "MoeProblem.routing.n_group must be >= 1 for deepseek_v3, got ", ng);
+    // NOTE: every backend takes the GPU route kernel's limit (one shared-memory key per group), so that a
+    // problem the CPU accepts is one the GPU runs.
+    check(ng <= kMaxRoutingGroups, "MoeProblem.routing.n_group must be <= ", kMaxRoutingGroups,
+          " for deepseek_v3, got ", ng);
     check(num_experts % ng == 0, "MoeProblem.routing.n_group must divide num_experts (E = ",
           num_experts, ") for deepseek_v3, got ", ng);
     check(ng == 1 || num_experts / ng >= 2,

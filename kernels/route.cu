@@ -34,7 +34,7 @@ namespace {
 constexpr int kWarpsPerBlock = 4;
 constexpr int kMaxExperts = permute_block::kMaxExperts;
 constexpr int kMaxTopK = 32;
-constexpr int kMaxGroups = 16;
+constexpr int kMaxGroups = kMaxRoutingGroups;  // fp4moe/problem.hpp
 constexpr unsigned kFull = 0xFFFFFFFFu;
 
 constexpr uint32_t kKeyNone = 0;  // not a candidate

@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "fp4moe/error.hpp"
+#include "fp4moe/bench.hpp"
 #include "fp4moe/presets.hpp"
 #include "fp4moe/runner.hpp"
 #include "tools/soak_problem.hpp"

@@ -183,8 +183,8 @@ SoakProblem make_problem(uint64_t seed, int64_t index) {
   rp.top_k = static_cast<int>(r.log_uniform(1, std::min<int64_t>(E, 32)));
   if (rp.method == RoutingMethod::Llama4) rp.top_k = 1;
   if (rp.method == RoutingMethod::DeepSeekV3) {
-    std::vector<int> groups;  // n_group: divides E, >= 2 experts per group unless 1
-    for (int64_t g = 1; g <= E; ++g)
+    std::vector<int> groups;  // n_group: divides E, >= 2 experts per group unless 1, at most kMaxRoutingGroups
+    for (int64_t g = 1; g <= std::min<int64_t>(E, kMaxRoutingGroups); ++g)
       if (E % g == 0 && (g == 1 || E / g >= 2)) groups.push_back(static_cast<int>(g));
     rp.n_group = groups[r.uniform(0, static_cast<int64_t>(groups.size()) - 1)];
     rp.topk_group = static_cast<int>(r.uniform(1, rp.n_group));

@@ -10,6 +10,10 @@
 
 namespace fp4moe {
 
+// The most expert groups DeepSeekV3 routing takes (n_group), on every backend.
+inline constexpr int kMaxRoutingGroups = 16;
+
+
 // Routing methods (docs/numerics.md, "Routing methods"), by their snake_case names.
 enum class RoutingMethod {
   Default,           // softmax over E, top-k, no renormalisation

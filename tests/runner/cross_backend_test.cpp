@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "fp4moe/bench.hpp"
 #include "fp4moe/case_file.hpp"
 #include "fp4moe/error.hpp"
 #include "fp4moe/reference.hpp"
