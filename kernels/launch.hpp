@@ -85,7 +85,7 @@ cudaError_t launch_permute(const PermuteArgs& args, cudaStream_t stream);
 // launch_route then launch_permute on the routed ids, as one launch of one block: the same outputs,
 // bit for bit, and one kernel boundary fewer in the forward's chain of dependent launches. Only where
 // route_permute_fits: T * k <= 256 entries (permute_block::kSmallEntries, the permutation's one-block
-// path) and T <= 32 (two tokens per routing warp of the block), and T = 1 for DeepSeekV3
+// path) and T <= permute_block::kWarps (one token per warp of the block), and T = 1 for DeepSeekV3
 // (whose routing takes a block per token). permute.topk_ids, num_tokens, top_k and num_experts must be
 // the route's; otherwise, or where it does not fit, cudaErrorInvalidValue.
 bool route_permute_fits(const RoutingParams& params, int64_t num_tokens);

@@ -442,10 +442,9 @@ cudaError_t launch_route(const RouteArgs& args, cudaStream_t stream) {
 
 bool route_permute_fits(const RoutingParams& params, int64_t num_tokens) {
   if (num_tokens < 1 || num_tokens * params.top_k > permute_block::kSmallEntries) return false;
-  // NOTE: at most one token per warp of the one block. With 4-8 (llama4-scout T = 64, 128) its route
-  // stage took 2-3x as long and the layer 1.01-1.04x (A/B); with 2
-  // (T = 17..32) the fused stage was 15.3 us at qwen3-235b-a22b T = 32 (256 entries), against ~6 us of
-  // routing alone, and the permute launch counts by entry warps up to 512 entries.
+  // NOTE: at most one token per warp of the one block: a warp routing several tokens serialises them,
+  // and with two per warp (T = 17..32) the fused stage took longer than routing and permuting in two
+  // launches (15.3 us against ~6 us of routing alone at qwen3-235b-a22b T = 32).
   if (num_tokens > permute_block::kWarps) return false;
   // DeepSeekV3 routes a token per block: one block routes one token.
   return params.method != RoutingMethod::DeepSeekV3 || num_tokens == 1;

@@ -1,5 +1,5 @@
 // bench/micro/tma_ring_depth.cu — is a small decode grid bound by the bytes its rings keep in flight, or
-// by where those bytes lie? The streaming expert GEMM (kernels/expert_gemm_stream_sm90.cuh) streams each
+// by where those bytes lie? The streaming expert GEMM (kernels/sm90_expert_gemm_stream.cuh) streams each
 // CTA's K chunks through a shared-memory ring: per chunk, one bulk tensor copy of the CTA's 16 row groups
 // (512 B each, `chunks * 512` B apart in the prepacked layout [group][chunk][512 B]) and one of their
 // scales (16 x 64 B, `chunks * 64` B apart), with `prefetch` chunks in flight. This kernel does the same

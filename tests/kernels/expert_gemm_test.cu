@@ -881,7 +881,7 @@ TEST(ExpertGemmStream, Gemm2FusedFinalize) {  // top-1: out = bf16(0 + w * y), y
 
 // More output tiles than fit on an H200 at once (36 tiles x 32 N tiles = 1152 > 4 x 132 CTAs of 16-row
 // tiles), K = 256 (2 chunks: fewer than a ring's stages) and K = 768 (6 chunks), rows of 1..16 per tile:
-// the shapes of a kernel that runs several output tiles per CTA (docs/patches/stream-gemm2-persistent).
+// the shapes of a kernel that runs several output tiles per CTA.
 TEST(ExpertGemmStream, Gemm2ManyTilesPerCta) {
   FP4MOE_REQUIRE_SM90();
   const std::vector<int64_t> rows = {200, 1, 33, 300};
