@@ -46,6 +46,10 @@ constexpr NameEntry<ActQuant> kActQuantNames[] = {
     {ActQuant::W4A4Scalar, "w4a4_scalar"},
     {ActQuant::W4A4PerExpert, "w4a4_per_expert"},
 };
+constexpr NameEntry<WeightFormat> kWeightFormatNames[] = {
+    {WeightFormat::NVFP4, "nvfp4"},
+    {WeightFormat::MXFP4, "mxfp4"},
+};
 
 template <typename E, size_t N>
 std::string_view name_of(const NameEntry<E> (&table)[N], E value) {
@@ -80,6 +84,10 @@ Activation parse_activation(std::string_view name, std::string_view what) {
 ActQuant parse_act_quant(std::string_view name, std::string_view what) {
   return parse_name(kActQuantNames, name, what);
 }
+std::string_view to_string(WeightFormat f) { return name_of(kWeightFormatNames, f); }
+WeightFormat parse_weight_format(std::string_view name, std::string_view what) {
+  return parse_name(kWeightFormatNames, name, what);
+}
 
 void MoeProblem::validate() const {
   check(num_experts >= 1, "MoeProblem.num_experts (E) must be >= 1, got ", num_experts);
@@ -87,6 +95,14 @@ void MoeProblem::validate() const {
         "MoeProblem.hidden (H) must be a multiple of 16 and >= 16 (the NVFP4 block size), got ", hidden);
   check(inter >= 16 && inter % 16 == 0,
         "MoeProblem.inter (I) must be a multiple of 16 and >= 16 (the NVFP4 block size), got ", inter);
+  if (weight_format == WeightFormat::MXFP4) {
+    check(hidden % 32 == 0, "MoeProblem.hidden (H) must be a multiple of 32 with mxfp4 weights (the MXFP4 block "
+          "size), got ", hidden);
+    check(inter % 32 == 0, "MoeProblem.inter (I) must be a multiple of 32 with mxfp4 weights (the MXFP4 block "
+          "size), got ", inter);
+    check(act_quant == ActQuant::W4A16, "MoeProblem.act_quant must be w4a16 with mxfp4 weights (no other "
+          "activation format is defined for MXFP4), got ", to_string(act_quant));
+  }
   const int k = routing.top_k;
   check(k >= 1 && k <= 32, "MoeProblem.routing.top_k (k) must be in [1, 32], got ", k);
   check(k <= num_experts || routing.skip_foreign_ids, "MoeProblem.routing.top_k (k) must be <= num_experts (E = ",
@@ -154,6 +170,7 @@ std::string MoeProblem::describe() const {
     os << "(alpha=" << activation.swiglu_alpha << ",beta=" << activation.swiglu_beta
        << ",limit=" << activation.swiglu_limit << ')';
   os << " quant=" << to_string(act_quant);
+  if (weight_format != WeightFormat::NVFP4) os << " weights=" << to_string(weight_format);
   return os.str();
 }
 

@@ -41,13 +41,21 @@ enum class ActQuant {
   W4A4PerExpert,  // each expert quantizes its tokens with its own w13_input_scale[e]
 };
 
+// The weights' 4-bit format (docs/numerics.md, "Formats and block quantization").
+enum class WeightFormat {
+  NVFP4,  // e2m1, one e4m3 scale per 16 K elements, fp32 global scale per expert (scale_2)
+  MXFP4,  // e2m1, one ue8m0 scale (2^(c-127)) per 32 K elements, no global scale; w4a16 only
+};
+
 std::string_view to_string(RoutingMethod m);
 std::string_view to_string(Activation a);
 std::string_view to_string(ActQuant q);
+std::string_view to_string(WeightFormat f);
 // Parse a snake_case name; throws fp4moe::Error naming `what` and the accepted names.
 RoutingMethod parse_routing_method(std::string_view name, std::string_view what = "routing_method");
 Activation parse_activation(std::string_view name, std::string_view what = "activation");
 ActQuant parse_act_quant(std::string_view name, std::string_view what = "act_quant");
+WeightFormat parse_weight_format(std::string_view name, std::string_view what = "weight_format");
 
 // Whether routing by `m` reads a routing bias: deepseek_v3 only. Every other method accepts a bias and
 // ignores it (its dtype and shape are still checked where it is given), as FlashInfer's kernels do with
@@ -85,10 +93,13 @@ struct MoeProblem {
   RoutingParams routing;
   ActivationParams activation;
   ActQuant act_quant = ActQuant::W4A16;
+  WeightFormat weight_format = WeightFormat::NVFP4;
 
   int top_k() const { return routing.top_k; }
   bool gated() const { return activation.kind != Activation::Relu2; }
   int64_t w13_rows() const { return gated() ? 2 * inter : inter; }  // rows of w13 per expert
+  // K elements per weight block scale: 16 (NVFP4) or 32 (MXFP4).
+  int64_t weight_block() const { return weight_format == WeightFormat::MXFP4 ? 32 : 16; }
   // Throws fp4moe::Error naming the first inconsistent field (sizes, k > E, groups, scales, ...).
   void validate() const;
   // One line, e.g. "E=256 H=7168 I=2048 k=8 routing=deepseek_v3(n_group=8,topk_group=4,scale=2.5) act=swiglu quant=w4a4_scalar"
