@@ -449,7 +449,10 @@ std::string check_outcome(const io::MoeCase& c, const std::vector<int64_t>& toke
       const int32_t gi = g.topk_ids[t * k + j], ri = r.topk_ids[i * k + j];
       if (gi != ri) return detail::concat("topk_ids[", t, ", ", j, "] = ", gi, ", the reference's ", ri);
       const float gw = g.topk_weights[t * k + j], rw = r.topk_weights[i * k + j];
-      const bool same = std::isnan(rw) ? std::isnan(gw) : std::fabs(gw - rw) <= 1e-6 * std::fabs(rw) + 1e-30;
+      // NOTE: an infinite logit gives an infinite weight (topk: the raw logit), equal only to itself.
+      const bool same = std::isnan(rw)   ? std::isnan(gw)
+                        : std::isinf(rw) ? gw == rw
+                                         : std::fabs(gw - rw) <= 1e-6 * std::fabs(rw) + 1e-30;
       if (!same) return detail::concat("topk_weights[", t, ", ", j, "] = ", gw, ", the reference's ", rw);
     }
     if (bad[t]) {  // an id outside [0, E): the whole row NaN

@@ -193,6 +193,27 @@ TEST(SoakCheck, TheReferenceMatchesItselfOnSampledTokens) {
   EXPECT_GE(checked, 10);
 }
 
+TEST(SoakCheck, InfiniteWeightsMatchThemselves) {
+  // topk routing weights are the raw logits: an infinite logit is an infinite weight on both sides.
+  const SoakProblem sp = find_problem([](const SoakProblem& s) {
+    return s.problem.routing.method == RoutingMethod::TopK && s.invalid_id_tokens == 0 && s.num_tokens > 0;
+  });
+  io::MoeCase c = make_case(sp);
+  c.router_logits[0] = std::numeric_limits<float>::infinity();  // token 0 picks expert 0 with weight +inf
+  std::vector<int64_t> tokens;
+  for (int64_t t = 0; t < c.num_tokens; ++t) tokens.push_back(t);
+  const Outcome ref = reference_outcome(c, tokens);
+  ASSERT_FALSE(ref.refused) << ref.message;
+  int64_t infinite = 0;
+  for (float w : ref.result.topk_weights) infinite += std::isinf(w);
+  ASSERT_GT(infinite, 0) << sp.describe();
+  EXPECT_EQ(check_outcome(c, tokens, ref, ref, /*bad_id_rows_nan=*/false), "") << sp.describe();
+  Outcome flipped = ref;
+  for (float& w : flipped.result.topk_weights)
+    if (std::isinf(w)) w = -w;
+  EXPECT_NE(check_outcome(c, tokens, ref, flipped, /*bad_id_rows_nan=*/false), "");
+}
+
 TEST(SoakCheck, FindsWhatDiffers) {
   const SoakProblem sp = find_problem([](const SoakProblem& s) {
     return s.problem.routing.method == RoutingMethod::Renormalize && s.num_tokens >= 8 && s.nan_hidden_tokens == 0 &&
