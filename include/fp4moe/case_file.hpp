@@ -54,7 +54,8 @@ MoeCase make_random_case(const MoeProblem& problem, int64_t num_tokens,
 // fp32 weights: cheap for presets with GBs of weights (tests, benchmarks). Weight values
 // q * sf * scale_2 have an RMS of about 0.02; input scales follow the data (amax / (6 * 448)). The codes
 // and scales are drawn on every core, in fixed blocks with generators of their own: the same bytes for
-// a seed whatever the thread count.
+// a seed whatever the thread count. MXFP4 problems get ue8m0 codes instead (a per-expert base of 117..120
+// plus a per-block offset of 0..3; weight RMS about 0.02 as well) and no global or input scales.
 MoeCase make_random_packed_case(const MoeProblem& problem, int64_t num_tokens, uint64_t seed);
 
 // Random expert biases (gpt-oss style) for `c`: w13_bias ~ N(0, 0.1), w2_bias ~ N(0, 0.02), about the
