@@ -102,12 +102,23 @@ TEST(Cli, BenchAndTuneRejectAnUnknownL2Flush) {
 }
 
 TEST(Cli, BenchTensorParallelSplitIsCheckedBeforeAnyGpuWork) {
-  const CliRun r = cli("bench --model gpt-oss-120b --tokens 1 --tp-size 181");  // I = 2880: 180 blocks of 16
+  const CliRun r = cli("bench --model gpt-oss-120b-nvfp4 --tokens 1 --tp-size 181");  // I = 2880: 180 blocks of 16
   EXPECT_EQ(r.status, 2);
   EXPECT_THAT(r.output, HasSubstr("at least tp_size = 181 blocks of 16"));
+  // MXFP4 (w4a16 without --mode): 90 blocks of 32
+  const CliRun mx = cli("bench --model gpt-oss-120b --tokens 1 --tp-size 91");
+  EXPECT_EQ(mx.status, 2);
+  EXPECT_THAT(mx.output, HasSubstr("at least tp_size = 91 blocks of 32"));
   const CliRun zero = cli("bench --model tiny --tokens 1 --tp-size 0");
   EXPECT_EQ(zero.status, 2);
   EXPECT_THAT(zero.output, HasSubstr("--tp-size must be >= 1, got 0"));
+}
+
+TEST(Cli, BenchMxfp4PresetsTakeW4a16Only) {
+  const CliRun r = cli("bench --model gpt-oss-20b --tokens 1,64 --mode w4a4_scalar");
+  EXPECT_EQ(r.status, 2);
+  EXPECT_THAT(r.output, AllOf(HasSubstr("preset 'gpt-oss-20b' has mxfp4 weights, which run in mode w4a16 only"),
+                              HasSubstr("w4a4_scalar")));
 }
 
 TEST(Cli, BenchExpertBiasesAreForPresets) {
