@@ -328,8 +328,12 @@ TEST(LayerEdge, OutOfRangePrecomputedIdPoisonsOnlyItsToken) {
 // rank's expert: -1, skip_foreign_ids), outputs poisoned first, against the reference rank.
 TEST(LayerExpertParallel, RanksMatchTheReferenceRank) {
   SKIP_WITHOUT_GPU();
-  for (ActQuant mode : {ActQuant::W4A16, ActQuant::W4A4Scalar, ActQuant::W4A4PerExpert}) {
-    const MoeProblem p = preset("tiny", mode);
+  for (const auto& [mode, format] : {std::pair{ActQuant::W4A16, WeightFormat::NVFP4},
+                                     std::pair{ActQuant::W4A4Scalar, WeightFormat::NVFP4},
+                                     std::pair{ActQuant::W4A4PerExpert, WeightFormat::NVFP4},
+                                     std::pair{ActQuant::W4A16, WeightFormat::MXFP4}}) {
+    MoeProblem p = preset("tiny", mode);
+    p.weight_format = format;
     const int64_t T = 77, k = p.top_k();
     const io::MoeCase c = random_case(p, T, 90);
     const reference::MoeResult full =
@@ -358,7 +362,8 @@ TEST(LayerExpertParallel, RanksMatchTheReferenceRank) {
       const std::vector<uint16_t> out = buf.output(&copied);
       ASSERT_EQ(copied, cudaSuccess);
       expect_output_matches(out, ref.output, T, p.hidden,
-                            std::string(to_string(mode)) + " rank " + std::to_string(rank));
+                            std::string(to_string(mode)) + " " + std::string(to_string(format)) + " rank " +
+                                std::to_string(rank));
     }
   }
 }

@@ -47,6 +47,23 @@ TEST(Cli, RunOnCpuMatchesTheReferenceBitForBit) {
   }
 }
 
+TEST(Cli, RunOnCpuTakesMxfp4CaseFiles) {
+  MoeProblem p = preset("tiny");
+  p.activation.kind = Activation::SwiGLUOai;
+  p.weight_format = WeightFormat::MXFP4;
+  io::MoeCase c = io::make_random_case(p, 9);
+  io::add_random_expert_biases(c, 2);
+  const std::string in = tmp_path("cli_mx_case.safetensors"), out = tmp_path("cli_mx_out.safetensors");
+  io::save_case(in, c);
+  const CliRun r = cli("run --case " + in + " --out " + out + " --device cpu");
+  ASSERT_EQ(r.status, 0) << r.output;
+  const reference::MoeResult got = io::load_result(out);
+  const reference::MoeResult want =
+      reference::moe_forward(c.problem, c.num_tokens, c.hidden_states.data(), c.router(), c.weights());
+  EXPECT_EQ(got.output, want.output);
+  EXPECT_EQ(got.topk_ids, want.topk_ids);
+}
+
 TEST(Cli, MissingCaseFileIsAnErrorNamingIt) {
   const CliRun r = cli("run --case /nonexistent/case.safetensors --out " + tmp_path("x.safetensors") + " --device cpu");
   EXPECT_EQ(r.status, 2);
