@@ -599,7 +599,7 @@ INSTANTIATE_TEST_SUITE_P(Tactics, LayerMxfp4Tactic, ::testing::ValuesIn(tactic_c
                          [](const auto& info) { return info.param.name; });
 
 // gpt-oss shapes (H = I = 2880, k = 4, E = 32: gpt-oss-20b; renormalize, swiglu_oai, biases) at decode
-// and prefill token counts, with the heuristic's tactics.
+// token counts and one with several tiles per expert, with the heuristic's tactics.
 class LayerMxfp4GptOss : public ::testing::TestWithParam<int64_t> {};
 
 TEST_P(LayerMxfp4GptOss, MatchesReference) {
@@ -612,7 +612,8 @@ TEST_P(LayerMxfp4GptOss, MatchesReference) {
   expect_layer_matches(c, "gpt-oss-20b T=" + std::to_string(T));
 }
 
-INSTANTIATE_TEST_SUITE_P(Tokens, LayerMxfp4GptOss, ::testing::Values(1, 4, 33, 256, 1000));
+// NOTE: T * k * 25M multiply-adds in the CPU reference: T = 100 is about 1e10.
+INSTANTIATE_TEST_SUITE_P(Tokens, LayerMxfp4GptOss, ::testing::Values(1, 4, 33, 100));
 
 // The 18-powers-of-two limit and NaN codes are refused by prepare_weights, naming tensor and expert.
 TEST(LayerMxfp4Errors, PrepareRefusesWideSpansAndNanCodes) {
