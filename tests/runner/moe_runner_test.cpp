@@ -599,7 +599,7 @@ INSTANTIATE_TEST_SUITE_P(Tactics, LayerMxfp4Tactic, ::testing::ValuesIn(tactic_c
                          [](const auto& info) { return info.param.name; });
 
 // gpt-oss shapes (H = I = 2880, k = 4, E = 32: gpt-oss-20b; renormalize, swiglu_oai, biases) at decode
-// token counts and one with several tiles per expert, with the heuristic's tactics.
+// token counts and T = 100 (every expert hit, about 12 rows each), with the heuristic's tactics.
 class LayerMxfp4GptOss : public ::testing::TestWithParam<int64_t> {};
 
 TEST_P(LayerMxfp4GptOss, MatchesReference) {
