@@ -1,7 +1,9 @@
 // format/presets.cpp — the model presets (docs/architecture.md, "Interfaces").
 //
-// Each preset is a table row (name, E, H, I, k, routing, activation); preset() copies the row into a
-// MoeProblem, sets the caller's quantization mode and validates it. Unknown names list the known ones.
+// Each preset is a table row (name, E, H, I, k, routing, activation, weight format); preset() copies the
+// row into a MoeProblem, sets the caller's quantization mode and validates it. Unknown names list the
+// known ones; a mode an MXFP4 preset cannot run (anything but w4a16) names the preset and its NVFP4
+// stand-in where there is one.
 #include <sstream>
 #include <string>
 #include <string_view>
@@ -18,6 +20,7 @@ struct PresetRow {
   int64_t experts, hidden, inter;
   RoutingParams routing;
   ActivationParams activation;
+  WeightFormat weights = WeightFormat::NVFP4;
 };
 
 RoutingParams routing_of(RoutingMethod m, int k, int n_group = 1, int topk_group = 1,
@@ -51,7 +54,12 @@ const std::vector<PresetRow>& rows() {
        act_of(Activation::SwiGLU)},
       {"llama4-scout", 16, 5120, 8192, routing_of(RoutingMethod::Llama4, 1, 1, 1, 1.0f, true),
        act_of(Activation::SwiGLU)},
+      // gpt-oss checkpoints are MXFP4 (w4a16); the -nvfp4 row is the same layer with NVFP4 weights.
       {"gpt-oss-120b", 128, 2880, 2880, routing_of(RoutingMethod::Renormalize, 4),
+       act_of(Activation::SwiGLUOai, 1.702f, 1.0f, 7.0f), WeightFormat::MXFP4},
+      {"gpt-oss-20b", 32, 2880, 2880, routing_of(RoutingMethod::Renormalize, 4),
+       act_of(Activation::SwiGLUOai, 1.702f, 1.0f, 7.0f), WeightFormat::MXFP4},
+      {"gpt-oss-120b-nvfp4", 128, 2880, 2880, routing_of(RoutingMethod::Renormalize, 4),
        act_of(Activation::SwiGLUOai, 1.702f, 1.0f, 7.0f)},
       // Models built like a preset above (checkpoint families in fp4moe/checkpoint.hpp): Kimi-K2 and
       // GLM-4.6 route like DeepSeek-V3 with one group, Qwen3-Next like Qwen3 with 512 narrow experts.
@@ -75,6 +83,12 @@ std::vector<std::string> preset_names() {
   return names;
 }
 
+WeightFormat preset_weight_format(std::string_view name) {
+  for (const auto& r : rows())
+    if (r.name == name) return r.weights;
+  return preset(name).weight_format;  // unknown: preset's error lists the names
+}
+
 MoeProblem preset(std::string_view name, ActQuant mode) {
   for (const auto& r : rows()) {
     if (r.name != name) continue;
@@ -85,6 +99,15 @@ MoeProblem preset(std::string_view name, ActQuant mode) {
     p.routing = r.routing;
     p.activation = r.activation;
     p.act_quant = mode;
+    p.weight_format = r.weights;
+    if (r.weights == WeightFormat::MXFP4 && mode != ActQuant::W4A16) {
+      const std::string stand_in = detail::concat(name, "-nvfp4");
+      bool has_stand_in = false;
+      for (const auto& o : rows()) has_stand_in = has_stand_in || o.name == stand_in;
+      throw Error(detail::concat("preset '", name, "' has mxfp4 weights, which run in mode w4a16 only, got ",
+                                 to_string(mode), has_stand_in ? detail::concat(" (its NVFP4 stand-in '", stand_in,
+                                                                               "' takes every mode)") : std::string()));
+    }
     p.validate();
     return p;
   }

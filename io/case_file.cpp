@@ -3,17 +3,20 @@
 //
 // load_case, in order (every failure throws fp4moe::Error starting with "case file 'PATH'"):
 //   1. open the safetensors file (strict header validation, see io/safetensors.cpp);
-//   2. metadata: top_k, routing_method, activation, act_quant are required; n_group, topk_group,
+//   2. metadata: top_k, routing_method, activation, act_quant are required; weight_format (nvfp4 |
+//      mxfp4, default nvfp4), n_group, topk_group,
 //      routed_scaling_factor, apply_router_weight_on_input (0|1), swiglu_alpha, swiglu_beta,
 //      swiglu_limit are optional (defaults of RoutingParams / ActivationParams). Numbers must parse as
 //      a whole (no spaces, no trailing text); unknown metadata keys are ignored;
 //   3. sizes from shapes: T, H from hidden_states [T, H]; E from w13 [E, w13_rows, H/2]; I from
 //      w2 [E, H, I/2]; H and I must be multiples of 16; then MoeProblem::validate();
-//   4. every tensor against the sizes: w13, w13_scale, w2, w2_scale, the [E] scales, the optional
+//   4. every tensor against the sizes: w13, w13_scale, w2, w2_scale, the [E] scales (MXFP4: U8 ue8m0
+//      block scales [.., K/32], and no [E] scale tensor may be present), the optional
 //      expert biases (w13_bias F32|BF16 [E, w13_rows], w2_bias F32|BF16 [E, H]), and the router
 //      input (router_logits F32|BF16 [T, E] and optional routing_bias F32|BF16 [E], or topk_ids I32 and
 //      topk_weights F32 [T, k] with `precomputed`). Tensors with other names are ignored;
-//   5. values: global and input scales finite and > 0, e4m3 block scales not NaN (0x7F / 0xFF),
+//   5. values: global and input scales finite and > 0, e4m3 block scales not NaN (0x7F / 0xFF), ue8m0
+//      codes not 255,
 //      expert biases finite, precomputed ids in [0, E).
 // save_case writes the same layout back (all metadata keys; floats in their shortest exact decimal
 // form so they read back bit-identical).
@@ -165,6 +168,20 @@ class CaseReader {
     }
     return v;
   }
+  // MXFP4 ue8m0 block scales: U8, no NaN code (255).
+  std::vector<uint8_t> ue8m0_scales(const std::string& name, const TensorView& t, const std::vector<int64_t>& shape,
+                                    const std::string& symbolic) const {
+    check_dtype(name, t, DType::U8);
+    check_shape(name, t, shape, symbolic);
+    std::vector<uint8_t> v = copy_values<uint8_t>(t);
+    const int64_t i = format::find_ue8m0_nan(v.data(), static_cast<int64_t>(v.size()));
+    if (i >= 0) {
+      const int64_t per_e = shape[1] * shape[2];
+      fail("tensor '", name, "': ue8m0 block scale at [", i / per_e, ", ", (i % per_e) / shape[2], ", ", i % shape[2],
+           "] (expert, row, block) is NaN (code 255)");
+    }
+    return v;
+  }
 
  private:
   SafetensorsFile file_;
@@ -254,6 +271,9 @@ MoeCase load_case(const std::string& path) {
   p.routing.method = parse_routing_method(rd.meta_required("routing_method"), what_prefix + "'routing_method'");
   p.activation.kind = parse_activation(rd.meta_required("activation"), what_prefix + "'activation'");
   p.act_quant = parse_act_quant(rd.meta_required("act_quant"), what_prefix + "'act_quant'");
+  if (const std::string* wf = rd.meta("weight_format"))
+    p.weight_format = parse_weight_format(*wf, what_prefix + "'weight_format'");
+  const bool mxfp4 = p.weight_format == WeightFormat::MXFP4;
   const RoutingParams rdef;
   const ActivationParams adef;
   p.routing.n_group = rd.meta_int("n_group", rdef.n_group);
@@ -311,11 +331,25 @@ MoeCase load_case(const std::string& path) {
   c.hidden_states = copy_values<uint16_t>(hs);
   c.w13 = copy_values<uint8_t>(w13);
   c.w2 = copy_values<uint8_t>(w2);
-  c.w13_scale = rd.block_scales("w13_scale", rd.require("w13_scale"), {E, rows, H / 16},
-                                std::string(p.gated() ? "[E, 2I, H/16]" : "[E, I, H/16]") + " with " + sizes);
-  c.w2_scale = rd.block_scales("w2_scale", rd.require("w2_scale"), {E, H, I / 16}, "[E, H, I/16] with " + sizes);
-  c.w13_scale_2 = rd.scales("w13_scale_2", rd.require("w13_scale_2"), E, sizes);
-  c.w2_scale_2 = rd.scales("w2_scale_2", rd.require("w2_scale_2"), E, sizes);
+  if (mxfp4) {
+    // NOTE: a global or input scale in an MXFP4 file is refused rather than ignored: it would mean the
+    // file was written for a format whose values it changes.
+    for (const char* name : {"w13_scale_2", "w2_scale_2", "w13_input_scale", "w2_input_scale"})
+      if (rd.find(name))
+        rd.fail("tensor '", name, "' is not part of an mxfp4 case (MXFP4 weights have no global or input scales; "
+                "weight_format is mxfp4)");
+    c.w13_scale = rd.ue8m0_scales("w13_scale", rd.require("w13_scale"), {E, rows, H / 32},
+                                  std::string(p.gated() ? "[E, 2I, H/32]" : "[E, I, H/32]") + " with " + sizes +
+                                      ", weight_format mxfp4");
+    c.w2_scale = rd.ue8m0_scales("w2_scale", rd.require("w2_scale"), {E, H, I / 32},
+                                 "[E, H, I/32] with " + sizes + ", weight_format mxfp4");
+  } else {
+    c.w13_scale = rd.block_scales("w13_scale", rd.require("w13_scale"), {E, rows, H / 16},
+                                  std::string(p.gated() ? "[E, 2I, H/16]" : "[E, I, H/16]") + " with " + sizes);
+    c.w2_scale = rd.block_scales("w2_scale", rd.require("w2_scale"), {E, H, I / 16}, "[E, H, I/16] with " + sizes);
+    c.w13_scale_2 = rd.scales("w13_scale_2", rd.require("w13_scale_2"), E, sizes);
+    c.w2_scale_2 = rd.scales("w2_scale_2", rd.require("w2_scale_2"), E, sizes);
+  }
   const bool w4a4 = p.act_quant != ActQuant::W4A16;
   auto input_scale = [&](const std::string& name, std::vector<float>& dst) {
     // Required for w4a4; optional (unused) for w4a16, but checked when present.
@@ -385,11 +419,21 @@ void save_case(const std::string& path, const MoeCase& c) {
   check(T >= 0, fn, ": MoeCase.num_tokens must be >= 0, got ", T);
   check_size(fn, "hidden_states", c.hidden_states.size(), T * H, "T*H");
   check_size(fn, "w13", c.w13.size(), E * rows * (H / 2), "E*w13_rows*(H/2)");
-  check_size(fn, "w13_scale", c.w13_scale.size(), E * rows * (H / 16), "E*w13_rows*(H/16)");
+  const bool mxfp4 = p.weight_format == WeightFormat::MXFP4;
+  const int64_t blk = p.weight_block();
+  check_size(fn, "w13_scale", c.w13_scale.size(), E * rows * (H / blk), mxfp4 ? "E*w13_rows*(H/32)" : "E*w13_rows*(H/16)");
   check_size(fn, "w2", c.w2.size(), E * H * (I / 2), "E*H*(I/2)");
-  check_size(fn, "w2_scale", c.w2_scale.size(), E * H * (I / 16), "E*H*(I/16)");
-  check_size(fn, "w13_scale_2", c.w13_scale_2.size(), E, "E");
-  check_size(fn, "w2_scale_2", c.w2_scale_2.size(), E, "E");
+  check_size(fn, "w2_scale", c.w2_scale.size(), E * H * (I / blk), mxfp4 ? "E*H*(I/32)" : "E*H*(I/16)");
+  if (mxfp4) {
+    for (auto [v, name] : {std::pair<const std::vector<float>*, const char*>{&c.w13_scale_2, "w13_scale_2"},
+                           {&c.w2_scale_2, "w2_scale_2"}, {&c.w13_input_scale, "w13_input_scale"},
+                           {&c.w2_input_scale, "w2_input_scale"}})
+      check(v->empty(), fn, ": MoeCase.", name, " must be empty with weight_format mxfp4 (no global or input "
+            "scales), got ", v->size(), " elements");
+  } else {
+    check_size(fn, "w13_scale_2", c.w13_scale_2.size(), E, "E");
+    check_size(fn, "w2_scale_2", c.w2_scale_2.size(), E, "E");
+  }
   const bool w4a4 = p.act_quant != ActQuant::W4A16;
   if (w4a4 || !c.w13_input_scale.empty()) check_size(fn, "w13_input_scale", c.w13_input_scale.size(), E, "E");
   if (w4a4 || !c.w2_input_scale.empty()) check_size(fn, "w2_input_scale", c.w2_input_scale.size(), E, "E");
@@ -416,6 +460,8 @@ void save_case(const std::string& path, const MoeCase& c) {
   meta["swiglu_beta"] = float_string(p.activation.swiglu_beta);
   meta["swiglu_limit"] = float_string(p.activation.swiglu_limit);
   meta["act_quant"] = std::string(to_string(p.act_quant));
+  // NOTE: NVFP4 files keep the layout they had before the key existed (no key means nvfp4).
+  if (mxfp4) meta["weight_format"] = std::string(to_string(p.weight_format));
 
   std::vector<TensorData> ts;
   ts.push_back(make_tensor("hidden_states", DType::BF16, {T, H}, c.hidden_states));
@@ -433,12 +479,13 @@ void save_case(const std::string& path, const MoeCase& c) {
     if (!c.routing_bias.empty()) ts.push_back(make_tensor("routing_bias", DType::F32, {E}, c.routing_bias));
   }
   ts.push_back(make_tensor("w13", DType::U8, {E, rows, H / 2}, c.w13));
-  ts.push_back(make_tensor("w13_scale", DType::F8_E4M3, {E, rows, H / 16}, c.w13_scale));
-  ts.push_back(make_tensor("w13_scale_2", DType::F32, {E}, c.w13_scale_2));
+  const DType scale_dtype = mxfp4 ? DType::U8 : DType::F8_E4M3;
+  ts.push_back(make_tensor("w13_scale", scale_dtype, {E, rows, H / blk}, c.w13_scale));
+  if (!mxfp4) ts.push_back(make_tensor("w13_scale_2", DType::F32, {E}, c.w13_scale_2));
   if (!c.w13_input_scale.empty()) ts.push_back(make_tensor("w13_input_scale", DType::F32, {E}, c.w13_input_scale));
   ts.push_back(make_tensor("w2", DType::U8, {E, H, I / 2}, c.w2));
-  ts.push_back(make_tensor("w2_scale", DType::F8_E4M3, {E, H, I / 16}, c.w2_scale));
-  ts.push_back(make_tensor("w2_scale_2", DType::F32, {E}, c.w2_scale_2));
+  ts.push_back(make_tensor("w2_scale", scale_dtype, {E, H, I / blk}, c.w2_scale));
+  if (!mxfp4) ts.push_back(make_tensor("w2_scale_2", DType::F32, {E}, c.w2_scale_2));
   if (!c.w2_input_scale.empty()) ts.push_back(make_tensor("w2_input_scale", DType::F32, {E}, c.w2_input_scale));
   if (!c.w13_bias.empty()) ts.push_back(make_tensor("w13_bias", DType::F32, {E, rows}, c.w13_bias));
   if (!c.w2_bias.empty()) ts.push_back(make_tensor("w2_bias", DType::F32, {E, H}, c.w2_bias));
@@ -501,7 +548,9 @@ reference::MoeResult load_result(const std::string& path) {
 //   logits       N(0,1) fp32;  DeepSeekV3 bias N(0,1) * 0.1 (a correction of the order of σ's spread)
 //   precomputed  k distinct ids per token, weights U[0.1,1) normalised to sum 1
 //   weights      bf16(N(0,1) * weight_std), quantized per expert with the NVFP4 recipe:
-//                scale_2[e] = amax(weights of e) / (448 * 6), so the largest block scale is 448
+//                scale_2[e] = amax(weights of e) / (448 * 6), so the largest block scale is 448;
+//                MXFP4: format::quantize_mxfp4 (ue8m0 of each 32-block's amax / 6, rounded up), no
+//                global scales, and no input scales (nor their draws)
 //   w13_input_scale[e] = amax(hidden) / (448*6) * U[0.8, 1.2]
 //   w2_input_scale[e]  = act(4σ_h, 4σ_h) / (448*6) * U[0.8, 1.2], with σ_h = hidden_std * weight_std *
 //                sqrt(H) the standard deviation of a GEMM1 output: the activation of a 4-sigma gate and
@@ -557,32 +606,41 @@ MoeCase make_random_case(const MoeProblem& problem, int64_t num_tokens, const Ra
 
   // Weights, one expert at a time (the fp32 copies are only kept when asked for).
   c.w13.resize(E * rows * (H / 2));
-  c.w13_scale.resize(E * rows * (H / 16));
+  const bool mxfp4 = problem.weight_format == WeightFormat::MXFP4;
+  const int64_t blk = problem.weight_block();
+  c.w13_scale.resize(E * rows * (H / blk));
   c.w2.resize(E * H * (I / 2));
-  c.w2_scale.resize(E * H * (I / 16));
-  c.w13_scale_2.resize(E);
-  c.w2_scale_2.resize(E);
+  c.w2_scale.resize(E * H * (I / blk));
+  if (!mxfp4) {
+    c.w13_scale_2.resize(E);
+    c.w2_scale_2.resize(E);
+  }
   if (w13_fp32) w13_fp32->resize(E * rows * H);
   if (w2_fp32) w2_fp32->resize(E * H * I);
   auto make_expert = [&](int64_t e, int64_t r, int64_t cols, std::vector<float>& buf, std::vector<float>* keep,
-                         uint8_t* packed, uint8_t* scales, float& scale_2) {
+                         uint8_t* packed, uint8_t* scales, float* scale_2) {
     buf.resize(r * cols);
     float amax = 0.0f;
     for (auto& x : buf) {
       x = bf16_round(static_cast<float>(rng.normal()) * opts.weight_std);
       amax = std::max(amax, std::fabs(x));
     }
-    scale_2 = amax > 0.0f ? amax / kGlobalDenom : 1.0f;  // all-zero weights: any positive scale
-    format::quantize_nvfp4(buf.data(), r, cols, scale_2, packed, scales);
+    if (mxfp4) {
+      format::quantize_mxfp4(buf.data(), r, cols, packed, scales);
+    } else {
+      *scale_2 = amax > 0.0f ? amax / kGlobalDenom : 1.0f;  // all-zero weights: any positive scale
+      format::quantize_nvfp4(buf.data(), r, cols, *scale_2, packed, scales);
+    }
     if (keep) std::copy(buf.begin(), buf.end(), keep->begin() + e * r * cols);
   };
   std::vector<float> buf;
   for (int64_t e = 0; e < E; ++e) {
     make_expert(e, rows, H, buf, w13_fp32, c.w13.data() + e * rows * (H / 2),
-                c.w13_scale.data() + e * rows * (H / 16), c.w13_scale_2[e]);
-    make_expert(e, H, I, buf, w2_fp32, c.w2.data() + e * H * (I / 2), c.w2_scale.data() + e * H * (I / 16),
-                c.w2_scale_2[e]);
+                c.w13_scale.data() + e * rows * (H / blk), mxfp4 ? nullptr : &c.w13_scale_2[e]);
+    make_expert(e, H, I, buf, w2_fp32, c.w2.data() + e * H * (I / 2), c.w2_scale.data() + e * H * (I / blk),
+                mxfp4 ? nullptr : &c.w2_scale_2[e]);
   }
+  if (mxfp4) return c;
 
   // Input scales (also written for w4a16, where they are unused).
   const float a1 = (hidden_amax > 0.0f ? hidden_amax : 1.0f) / kGlobalDenom;

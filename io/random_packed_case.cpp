@@ -1,4 +1,4 @@
-// io/random_packed_case.cpp — random NVFP4 cases drawn in the packed domain (see case_file.hpp).
+// io/random_packed_case.cpp — random NVFP4 and MXFP4 cases drawn in the packed domain (see case_file.hpp).
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -69,6 +69,16 @@ void draw_scales(SplitMix64& r, uint8_t* out, int64_t n) {
   }
 }
 
+// MXFP4 ue8m0 codes of one tensor [E, rows, blocks]: expert e's codes are base[e] + 0..3, one offset
+// per byte from the block's generator (the byte's two low bits).
+void draw_ue8m0(SplitMix64& r, uint8_t* out, int64_t n, int64_t first, int64_t per_expert, const uint8_t* base) {
+  for (int64_t i = 0; i < n; i += 8) {
+    uint64_t v = r();
+    for (int64_t j = i; j < std::min(i + 8, n); ++j, v >>= 8)
+      out[j] = static_cast<uint8_t>(base[(first + j) / per_expert] + (v & 0x3));
+  }
+}
+
 }  // namespace
 
 MoeCase make_random_packed_case(const MoeProblem& p, int64_t T, uint64_t seed) {
@@ -105,6 +115,31 @@ MoeCase make_random_packed_case(const MoeProblem& p, int64_t T, uint64_t seed) {
       c.routing_bias.resize(E);
       for (auto& v : c.routing_bias) v = 0.1f * normal(rng);
     }
+  }
+  if (p.weight_format == WeightFormat::MXFP4) {
+    // ue8m0 codes: a per-expert base of 117..120 and per-block offsets 0..3 (codes 117..123, a span of
+    // 7 powers of two): uniform e2m1 codes have an RMS of 2.9, so the weights' RMS is about 0.02 as
+    // for NVFP4 below, with blocks from 2^-10 to 2^-4 times q. No global or input scales.
+    std::vector<uint8_t> base13(E), base2(E);
+    for (int64_t e = 0; e < E; ++e) {
+      base13[e] = static_cast<uint8_t>(117 + rng() % 4);
+      base2[e] = static_cast<uint8_t>(117 + rng() % 4);
+    }
+    auto fill_mx = [&](std::vector<uint8_t>& w, std::vector<uint8_t>& s, int64_t rows, int64_t cols, uint64_t tensor,
+                       const std::vector<uint8_t>& base) {
+      w.resize(E * rows * cols / 2);
+      s.resize(E * rows * cols / 32);
+      fill_blocks(w, seed, 2 * tensor, draw_codes);
+      const int64_t per_expert = rows * cols / 32;
+      // NOTE: the block's first byte index tells draw_ue8m0 which expert each byte belongs to.
+      uint8_t* const s0 = s.data();
+      fill_blocks(s, seed, 2 * tensor + 1, [&](SplitMix64& r, uint8_t* out, int64_t n) {
+        draw_ue8m0(r, out, n, out - s0, per_expert, base.data());
+      });
+    };
+    fill_mx(c.w13, c.w13_scale, N13, H, 0, base13);
+    fill_mx(c.w2, c.w2_scale, H, I, 1, base2);
+    return c;
   }
   auto fill = [&](std::vector<uint8_t>& w, std::vector<uint8_t>& s, int64_t rows, int64_t cols, uint64_t tensor) {
     w.resize(E * rows * cols / 2);

@@ -12,6 +12,8 @@
 //   4. GEMM1: h_n = alpha1[e] * float(sum_K a_k * W_nk), W = q*sf of w13[e] (each row of each expert
 //      that received tokens is decoded once), the sum in double, rounded to fp32 once;
 //      alpha1 = w13_scale_2[e] (w4a16) or w13_scale_2[e] * a_input_scale (w4a4), fp32.
+//      MXFP4 weights: W = q * 2^(c - 127) (format::dequantize_mxfp4) and alpha1 = alpha2 = 1 (no global
+//      scale); a ue8m0 NaN code (255) is refused in step 0.
 //   5. Activation (apply_activation) on gate rows [0, I) and up rows [I, 2I) (relu2: the I rows).
 //      w4a16: bf16(act); w4a4: q*sf of quantize_nvfp4(act, w2_input_scale[e]).
 //   6. GEMM2: y = alpha2[e] * float(double sum), alpha2 = w2_scale_2[e] (* w2_input_scale[e] w4a4).
@@ -133,6 +135,27 @@ RowSource nvfp4_rows(const uint8_t* w, const uint8_t* w_scale, int64_t N, int64_
     format::dequantize_nvfp4(w + row * (K / 2), w_scale + row * (K / kBlockSize), n1 - n0, K, buf.data());
     return buf.data();
   };
+}
+
+RowSource mxfp4_rows(const uint8_t* w, const uint8_t* w_scale, int64_t N, int64_t K) {
+  return [=](int64_t e, int64_t n0, int64_t n1, std::vector<float>& buf) -> const float* {
+    buf.resize(static_cast<size_t>((n1 - n0) * K));
+    const int64_t row = e * N + n0;
+    format::dequantize_mxfp4(w + row * (K / 2), w_scale + row * (K / format::kMxfp4BlockSize), n1 - n0, K,
+                             buf.data());
+    return buf.data();
+  };
+}
+
+// MXFP4: no ue8m0 NaN code (255) in `codes` [E, rows, K/32] (docs/numerics.md, "MXFP4 weights").
+void check_ue8m0_codes(const uint8_t* codes, int64_t E, int64_t rows, int64_t K, const char* name) {
+  const int64_t blocks = K / format::kMxfp4BlockSize;
+  const int64_t i = format::find_ue8m0_nan(codes, E * rows * blocks);
+  if (i < 0) return;
+  throw Error(fp4moe::detail::concat("moe_forward: weights.", name, ": ue8m0 block scale code 255 (NaN) at expert ",
+                                     i / (rows * blocks), ", row ", (i / blocks) % rows, ", block ", i % blocks,
+                                     " (K elements [", (i % blocks) * format::kMxfp4BlockSize, ", ",
+                                     (i % blocks + 1) * format::kMxfp4BlockSize, ")); MXFP4 scales must be codes 0..254"));
 }
 
 RowSource fp32_rows(const float* w, int64_t N, int64_t K) {
@@ -290,12 +313,15 @@ MoeResult moe_forward(const MoeProblem& problem, int64_t num_tokens, const uint1
   auto need = [](const void* p, const char* name, const char* expected) {
     check(p != nullptr, "moe_forward: weights.", name, " is null, expected ", expected);
   };
+  const bool mxfp4 = problem.weight_format == WeightFormat::MXFP4;
   need(weights.w13, "w13", "u8 [E, w13_rows, H/2]");
-  need(weights.w13_scale, "w13_scale", "e4m3 [E, w13_rows, H/16]");
-  need(weights.w13_scale_2, "w13_scale_2", "f32 [E]");
+  need(weights.w13_scale, "w13_scale", mxfp4 ? "ue8m0 [E, w13_rows, H/32]" : "e4m3 [E, w13_rows, H/16]");
   need(weights.w2, "w2", "u8 [E, H, I/2]");
-  need(weights.w2_scale, "w2_scale", "e4m3 [E, H, I/16]");
-  need(weights.w2_scale_2, "w2_scale_2", "f32 [E]");
+  need(weights.w2_scale, "w2_scale", mxfp4 ? "ue8m0 [E, H, I/32]" : "e4m3 [E, H, I/16]");
+  if (!mxfp4) {  // MXFP4 has no global scale (and w4a16 only: validate() refuses the other modes)
+    need(weights.w13_scale_2, "w13_scale_2", "f32 [E]");
+    need(weights.w2_scale_2, "w2_scale_2", "f32 [E]");
+  }
   if (w4a4) {
     const std::string mode(to_string(problem.act_quant));
     check(weights.w13_input_scale != nullptr, "moe_forward: weights.w13_input_scale is null, "
@@ -303,8 +329,13 @@ MoeResult moe_forward(const MoeProblem& problem, int64_t num_tokens, const uint1
     check(weights.w2_input_scale != nullptr, "moe_forward: weights.w2_input_scale is null, "
           "expected f32 [E] (act_quant ", mode, " quantizes the GEMM2 input with it)");
   }
-  check_scales(weights.w13_scale_2, s.E, "w13_scale_2", false);
-  check_scales(weights.w2_scale_2, s.E, "w2_scale_2", false);
+  if (mxfp4) {
+    check_ue8m0_codes(weights.w13_scale, s.E, s.N1, s.H, "w13_scale");
+    check_ue8m0_codes(weights.w2_scale, s.E, s.H, s.I, "w2_scale");
+  } else {
+    check_scales(weights.w13_scale_2, s.E, "w13_scale_2", false);
+    check_scales(weights.w2_scale_2, s.E, "w2_scale_2", false);
+  }
   if (w4a4) {
     check_scales(weights.w13_input_scale, s.E, "w13_input_scale", true);
     check_scales(weights.w2_input_scale, s.E, "w2_input_scale", true);
@@ -394,12 +425,19 @@ MoeResult moe_forward(const MoeProblem& problem, int64_t num_tokens, const uint1
   // ---- 4. GEMM1 ----
   std::vector<float> alpha1(static_cast<size_t>(E)), alpha2(static_cast<size_t>(E));
   for (int64_t e = 0; e < E; ++e) {
+    if (mxfp4) {  // the weights' values are complete: alpha = 1 (w4a16 only)
+      alpha1[e] = alpha2[e] = 1.0f;
+      continue;
+    }
     alpha1[e] = w4a4 ? weights.w13_scale_2[e] * a_scale[e] : weights.w13_scale_2[e];
     alpha2[e] = w4a4 ? weights.w2_scale_2[e] * weights.w2_input_scale[e] : weights.w2_scale_2[e];
   }
+  auto weight_rows = [mxfp4](const uint8_t* w, const uint8_t* w_scale, int64_t N, int64_t K) {
+    return mxfp4 ? mxfp4_rows(w, w_scale, N, K) : nvfp4_rows(w, w_scale, N, K);
+  };
   std::vector<float> h(static_cast<size_t>(R * s.N1));
   expert_gemm(perm, E, H, s.N1, a.data(), alpha1.data(), weights.w13_bias,
-              nvfp4_rows(weights.w13, weights.w13_scale, s.N1, H), h.data());
+              weight_rows(weights.w13, weights.w13_scale, s.N1, H), h.data());
 
   if (trace != nullptr) trace->gemm1_out = unpermute(perm, h, s.N1);
 
@@ -417,7 +455,7 @@ MoeResult moe_forward(const MoeProblem& problem, int64_t num_tokens, const uint1
   // ---- 6. GEMM2 ----
   std::vector<float> y(static_cast<size_t>(R * H));
   expert_gemm(perm, E, I, H, act.data(), alpha2.data(), weights.w2_bias,
-              nvfp4_rows(weights.w2, weights.w2_scale, H, I), y.data());
+              weight_rows(weights.w2, weights.w2_scale, H, I), y.data());
 
   // ---- 7. finalize ----
   result.output.resize(static_cast<size_t>(T * H));

@@ -1,7 +1,7 @@
 // runner/bench.cu — ceilings and layer benchmarks (include/fp4moe/bench.hpp).
 //
 // Steps of bench_model:
-//   1. random NVFP4 weights for the whole model (io::make_random_packed_case) or given ones (a
+//   1. random NVFP4 or MXFP4 weights (the problem's weight_format) for the whole model (io::make_random_packed_case) or given ones (a
 //      checkpoint's layer), one runner, prepared once
 //   2. per T: fresh random hidden states and logits, one forward whose first tokens are checked against
 //      the CPU reference (experts hit from its routing)
@@ -320,7 +320,9 @@ std::vector<BenchRow> bench_model(const std::string& model, const MoeProblem& p,
     local.routing.skip_foreign_ids = true;
     local.routing.total_experts = p.num_experts;
   }
-  if (progress) std::fprintf(stderr, "bench %s: preparing random NVFP4 weights ...\n", model.c_str());
+  if (progress)
+    std::fprintf(stderr, "bench %s: preparing random %s weights ...\n", model.c_str(),
+                 p.weight_format == WeightFormat::MXFP4 ? "MXFP4" : "NVFP4");
   io::MoeCase random = io::make_random_packed_case(local, 0, opt.seed);
   if (opt.expert_biases) io::add_random_expert_biases(random, opt.seed);
   if (opt.ep_size == 1)
@@ -455,7 +457,10 @@ std::vector<BenchRow> bench_rows(const std::string& model, const MoeProblem& p, 
     row.stages = {median(st[0]), median(st[1]), median(st[2]), median(st[3]), median(st[4]), median(st[5])};
 
     const double params_per_expert = double(N13) * H + double(H) * I;
-    row.weight_bytes = row.experts_hit * params_per_expert * 0.5625;
+    // Bytes per weight in the problem's own format: 1/2 + one scale byte per block (NVFP4 16, MXFP4 32).
+    // NOTE: the MXFP4 kernels read the NVFP4-equivalent scales (one byte per 16); the floor counts what the
+    // format needs, so that difference shows as lost time.
+    row.weight_bytes = row.experts_hit * params_per_expert * (0.5 + 1.0 / double(p.weight_block()));
     // Activations in and out, and the router input: logits, or (expert parallelism) ids and weights.
     row.bytes = row.weight_bytes + double(T) * H * 2 * 2 + (routed ? double(T) * k * 8 : double(T) * E * 4);
     row.flops = 2.0 * double(local_slots) * params_per_expert;

@@ -195,12 +195,14 @@ Status GpuMoeRunner::prepare_weights_or_throw(const reference::MoeWeights& w, co
   const MoeProblem& p = problem_;
   const int64_t E = p.num_experts, H = p.hidden, I = p.inter, N13 = p.w13_rows();
   const bool w4a4 = p.act_quant != ActQuant::W4A16;
+  const bool mxfp4 = p.weight_format == WeightFormat::MXFP4;  // w4a16 only (MoeProblem::validate)
   if (cudaError_t e = cudaSetDevice(device_); e != cudaSuccess) return Status::failure(cuda_message("cudaSetDevice", e));
   for (auto [ptr, name] : {std::pair<const void*, const char*>{w.w13, "w13"}, {w.w13_scale, "w13_scale"},
                            {w.w2, "w2"}, {w.w2_scale, "w2_scale"}})
     if (!ptr) return Status::failure(detail::concat("prepare_weights: ", name, " is null"));
-  for (auto [v, name] : {std::pair<const float*, const char*>{w.w13_scale_2, "w13_scale_2"}, {w.w2_scale_2, "w2_scale_2"}})
-    if (auto m = check_scales(v, E, name); !m.empty()) return Status::failure(m);
+  if (!mxfp4)  // MXFP4 has no global scale: its NVFP4 equivalent below brings its own
+    for (auto [v, name] : {std::pair<const float*, const char*>{w.w13_scale_2, "w13_scale_2"}, {w.w2_scale_2, "w2_scale_2"}})
+      if (auto m = check_scales(v, E, name); !m.empty()) return Status::failure(m);
   if (w4a4)
     for (auto [v, name] : {std::pair<const float*, const char*>{w.w13_input_scale, "w13_input_scale"},
                            {w.w2_input_scale, "w2_input_scale"}})
@@ -210,15 +212,34 @@ Status GpuMoeRunner::prepare_weights_or_throw(const reference::MoeWeights& w, co
   reference::check_biases(w, p);
   // Canonical layout first: linear scales, [gate; up] row order.
   const io::CanonicalExpertWeights canonical = io::canonical_expert_weights(p, w, options);
+  // The kernels take NVFP4: MXFP4 weights go through their exact NVFP4 equivalent (e4m3 scales per 16 and
+  // a power-of-two alpha per expert; io::nvfp4_equivalent refuses ue8m0 codes spanning more than 18
+  // powers of two). The problem itself stays MXFP4 (tactics, tuning keys, reports).
+  const uint8_t* w13_scale = canonical.w13_scale.data();
+  const uint8_t* w2_scale = canonical.w2_scale.data();
+  const float* w13_scale_2 = w.w13_scale_2;
+  const float* w2_scale_2 = w.w2_scale_2;
+  io::Nvfp4EquivalentScales nv;
+  if (mxfp4) {
+    reference::MoeWeights cw = w;
+    cw.w13 = canonical.w13.data();
+    cw.w13_scale = w13_scale;
+    cw.w2_scale = w2_scale;
+    nv = io::nvfp4_equivalent(p, cw);
+    w13_scale = nv.w13_scale.data();
+    w2_scale = nv.w2_scale.data();
+    w13_scale_2 = nv.w13_scale_2.data();
+    w2_scale_2 = nv.w2_scale_2.data();
+  }
 
   if (cudaError_t e = kernels::configure_expert_gemm(); e != cudaSuccess)
     return Status::failure(cuda_message("prepare_weights: configuring the expert GEMM", e));
   std::vector<uint8_t> packed, packed_scale;
   std::string m;
-  w13_ = kernels::prepack_expert_weights(canonical.w13.data(), canonical.w13_scale.data(), E, N13, H, packed, packed_scale);
+  w13_ = kernels::prepack_expert_weights(canonical.w13.data(), w13_scale, E, N13, H, packed, packed_scale);
   if (m = w13_bytes_.upload(packed.data(), packed.size(), "w13"); !m.empty()) return Status::failure(m);
   if (m = w13_scale_bytes_.upload(packed_scale.data(), packed_scale.size(), "w13_scale"); !m.empty()) return Status::failure(m);
-  w2_ = kernels::prepack_expert_weights(w.w2, canonical.w2_scale.data(), E, H, I, packed, packed_scale);
+  w2_ = kernels::prepack_expert_weights(w.w2, w2_scale, E, H, I, packed, packed_scale);
   if (m = w2_bytes_.upload(packed.data(), packed.size(), "w2"); !m.empty()) return Status::failure(m);
   if (m = w2_scale_bytes_.upload(packed_scale.data(), packed_scale.size(), "w2_scale"); !m.empty()) return Status::failure(m);
 
@@ -230,12 +251,12 @@ Status GpuMoeRunner::prepare_weights_or_throw(const reference::MoeWeights& w, co
                                             : *std::max_element(w.w13_input_scale, w.w13_input_scale + E);
   for (int64_t e = 0; e < E; ++e) {
     switch (p.act_quant) {
-      case ActQuant::W4A16: alpha1[e] = w.w13_scale_2[e]; alpha2[e] = w.w2_scale_2[e]; break;
-      case ActQuant::W4A4Scalar: alpha1[e] = w.w13_scale_2[e] * a_scalar; break;
-      case ActQuant::W4A4PerExpert: alpha1[e] = w.w13_scale_2[e] * w.w13_input_scale[e]; break;
+      case ActQuant::W4A16: alpha1[e] = w13_scale_2[e]; alpha2[e] = w2_scale_2[e]; break;
+      case ActQuant::W4A4Scalar: alpha1[e] = w13_scale_2[e] * a_scalar; break;
+      case ActQuant::W4A4PerExpert: alpha1[e] = w13_scale_2[e] * w.w13_input_scale[e]; break;
     }
     if (w4a4) {
-      alpha2[e] = w.w2_scale_2[e] * w.w2_input_scale[e];
+      alpha2[e] = w2_scale_2[e] * w.w2_input_scale[e];
       act_scale[e] = w.w2_input_scale[e];
     }
   }

@@ -88,7 +88,8 @@ struct ExpertRangeWeights {
     w2_input_scale = range(c.w2_input_scale);
     w13_bias = range(c.w13_bias);
     w2_bias = range(c.w2_bias);
-    w13_input_scale_max = *std::max_element(c.w13_input_scale.begin(), c.w13_input_scale.end());
+    w13_input_scale_max = c.w13_input_scale.empty() ? 0.0f  // MXFP4 / w4a16 without input scales
+                                                    : *std::max_element(c.w13_input_scale.begin(), c.w13_input_scale.end());
     local_ids.resize(routing_ids.size());
     for (size_t i = 0; i < routing_ids.size(); ++i)
       local_ids[i] = routing_ids[i] >= begin && routing_ids[i] < end ? routing_ids[i] - int32_t(begin) : -1;

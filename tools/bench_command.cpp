@@ -98,7 +98,10 @@ void add_bench_command(CLI::App& app, BenchCommandOptions& o) {
   b->add_option("--checkpoint", o.checkpoint, "A checkpoint directory instead of presets (with --layer)");
   b->add_option("--layer", o.layer, "With --checkpoint: the MoE layer index");
   b->add_option("--tokens", o.tokens, "Token counts, comma-separated")->capture_default_str();
-  b->add_option("--mode", o.mode, "w4a16, w4a4_scalar or w4a4_per_expert")->capture_default_str();
+  b->add_option("--mode", o.mode,
+                "w4a16, w4a4_scalar or w4a4_per_expert; MXFP4 weights (gpt-oss-120b, gpt-oss-20b) run w4a16 only, "
+                "which is their mode when --mode is not given")
+      ->capture_default_str();
   b->add_option("--json", o.json, "Write the results as JSON to this file");
   b->add_option("--csv", o.csv, "Write the results as CSV to this file");
   b->add_option("--reps", o.reps, "Timed replays per row (>= 20)")->capture_default_str();
@@ -117,8 +120,8 @@ void add_bench_command(CLI::App& app, BenchCommandOptions& o) {
                 "Force a tactic, e.g. sm90_wgmma/t256/s1 or sm90_stream/t16/s1x4 (GEMM1 split 1 way along K, GEMM2 "
                 "4 ways; default: the runner's choice)");
   b->add_option("--tp-size", o.tp_size,
-                "Tensor parallelism: time rank 0's layer of N ranks (its share of I in whole 16-column blocks; the "
-                "all-reduce of the ranks' outputs is not included)")
+                "Tensor parallelism: time rank 0's layer of N ranks (its share of I in whole 16-column blocks, "
+                "32-column for MXFP4; the all-reduce of the ranks' outputs is not included)")
       ->capture_default_str();
   b->add_option("--ep-size", o.ep_size,
                 "Expert parallelism (presets): time rank 0's layer of N ranks, its experts on the whole layer's "
@@ -132,7 +135,12 @@ void add_bench_command(CLI::App& app, BenchCommandOptions& o) {
 }
 
 int run_bench_command(const BenchCommandOptions& o) {
-  const ActQuant mode = parse_act_quant(o.mode, "--mode");
+  const ActQuant given_mode = parse_act_quant(o.mode, "--mode");
+  // NOTE: MXFP4 weights have one mode (w4a16); without --mode they take it instead of the default
+  // w4a4_scalar, and an explicit other mode is preset()'s error naming the preset.
+  const bool mode_given = o.command != nullptr && o.command->count("--mode") > 0;
+  auto mode_for = [&](WeightFormat f) { return !mode_given && f == WeightFormat::MXFP4 ? ActQuant::W4A16 : given_mode; };
+  auto preset_of = [&](const std::string& m) { return preset(m, mode_for(preset_weight_format(m))); };
   const std::vector<int64_t> tokens = parse_tokens(o.tokens);
   const std::vector<std::string> models = split_list(o.models);
   check(models.empty() != o.checkpoint.empty(), "bench: give either --model PRESET[,PRESET] or --checkpoint DIR --layer L");
@@ -143,13 +151,13 @@ int run_bench_command(const BenchCommandOptions& o) {
         "supported with it yet (load_layer's ep_rank / ep_size give a rank's experts, but the bench routes logits)");
   // The problem of tensor-parallel rank 0 (the whole problem when --tp-size is 1), and its row label.
   auto rank_problem = [&](MoeProblem p) {
-    p.inter = io::tensor_parallel_range(p.inter, 0, o.tp_size).second;
+    p.inter = io::tensor_parallel_range(p.inter, 0, o.tp_size, p.weight_block()).second;
     return p;
   };
   const std::string rank_label = (o.tp_size > 1 ? "/tp" + std::to_string(o.tp_size) : "") +
                                (o.ep_size > 1 ? "/ep" + std::to_string(o.ep_size) : "");
   for (const auto& m : models) {  // unknown names, bad splits: before any GPU work
-    const MoeProblem p = rank_problem(preset(m, mode));
+    const MoeProblem p = rank_problem(preset_of(m));
     check(o.ep_size >= 1 && o.ep_size <= p.num_experts, "bench: --ep-size must be in [1, E = ", p.num_experts,
           "] for ", m, ", got ", o.ep_size);
   }
@@ -159,7 +167,8 @@ int run_bench_command(const BenchCommandOptions& o) {
     io::LoadOptions lo;
     lo.tp_size = o.tp_size;
     layer = io::Checkpoint::open(o.checkpoint).load_layer(o.layer, lo);
-    layer->problem.act_quant = mode;
+    layer->problem.act_quant = mode_for(layer->problem.weight_format);
+    layer->problem.validate();  // e.g. an explicit w4a4 mode on MXFP4 weights
   }
 
   std::fprintf(stderr, "bench: measuring ceilings ...\n");
@@ -183,7 +192,7 @@ int run_bench_command(const BenchCommandOptions& o) {
   std::printf("L2 flush before each replay: %s\n", std::string(to_string(opt.l2_flush)).c_str());
   std::vector<BenchRow> rows;
   for (const auto& m : models) {
-    auto r = bench_model(m + rank_label, rank_problem(preset(m, mode)), tokens, c, opt, true);
+    auto r = bench_model(m + rank_label, rank_problem(preset_of(m)), tokens, c, opt, true);
     rows.insert(rows.end(), r.begin(), r.end());
     // NOTE: after every preset, so that a run stopped by a time limit keeps the presets it finished.
     write_results(o, c, opt, rows);

@@ -82,7 +82,8 @@ int cmd_demo(const std::string& model, int64_t tokens, const std::string& device
   const Device d = parse_device(device);
   const bool gpu = use_gpu(d, false);
   MoeProblem problem = preset(model, ActQuant::W4A16);
-  std::printf("fp4moe demo: NVFP4 MoE layer, preset '%s'\n", model.c_str());
+  std::printf("fp4moe demo: %s MoE layer, preset '%s'\n",
+              problem.weight_format == WeightFormat::MXFP4 ? "MXFP4" : "NVFP4", model.c_str());
   std::printf("  problem: T=%lld %s\n", static_cast<long long>(tokens), problem.describe().c_str());
   std::printf("  device:  %s\n", gpu ? "cuda (fp4moe kernels)" : "cpu (reference)");
   std::vector<float> w13_fp32, w2_fp32;
@@ -97,6 +98,10 @@ int cmd_demo(const std::string& model, int64_t tokens, const std::string& device
   std::printf("  yardstick: the same layer in fp32 with the unquantized (bf16) weights\n\n");
   std::printf("  %-16s %12s %14s %14s\n", "mode", "time", "rel L2 error", "max abs error");
   for (ActQuant mode : {ActQuant::W4A16, ActQuant::W4A4Scalar, ActQuant::W4A4PerExpert}) {
+    if (problem.weight_format == WeightFormat::MXFP4 && mode != ActQuant::W4A16) {
+      std::printf("  %-16s %12s   (mxfp4 weights run in w4a16 only)\n", std::string(to_string(mode)).c_str(), "-");
+      continue;
+    }
     c.problem.act_quant = mode;
     reference::MoeResult r;
     double ms = 0;

@@ -72,6 +72,8 @@ int64_t draw_dim(Rng& r, int64_t lo_blocks) {
 }
 
 int64_t halve16(int64_t d) { return std::max<int64_t>(16, d / 32 * 16); }
+int64_t halve32(int64_t d) { return std::max<int64_t>(32, d / 64 * 32); }
+int64_t round_up32(int64_t d) { return (d + 31) / 32 * 32; }
 
 // Skewed to small and ragged counts: 3% none, 42% 1..16, 25% 17..256, 18% 257..2048, 9% up to 8192,
 // 3% up to 16384; a fifth of them a power of two or one off it.
@@ -116,7 +118,7 @@ bool precomputed_with_bad_ids(const io::MoeCase& c) {
 
 int64_t weight_bytes(const MoeProblem& p) {
   const int64_t elems = p.num_experts * (p.w13_rows() * p.hidden + p.hidden * p.inter);
-  return elems / 2 + elems / 16;
+  return elems / 2 + elems / p.weight_block();
 }
 
 std::string SoakProblem::describe() const {
@@ -175,6 +177,26 @@ SoakProblem make_problem(uint64_t seed, int64_t index) {
     else if (p.inter > 16) p.inter = halve16(p.inter);
     else if (p.hidden > 16) p.hidden = halve16(p.hidden);
     else p.num_experts = std::max<int64_t>(1, p.num_experts / 2);
+  }
+
+  // ---- weight format ----
+  // NOTE: drawn from a stream of its own and applied only to the MXFP4 share, so that every NVFP4 problem
+  // is the one the seed gave before MXFP4 problems existed. MXFP4: w4a16, H and I multiples of 32; the
+  // random cases' ue8m0 codes span 7 powers of two per expert (within the kernels' 18).
+  Rng fr(splitmix(stream_key(seed, index, 0) ^ 0x6D78667034ull));
+  if (fr.chance(kMxfp4Share)) {
+    p.weight_format = WeightFormat::MXFP4;
+    p.act_quant = ActQuant::W4A16;
+    p.hidden = round_up32(p.hidden);  // <= 8192 still
+    p.inter = round_up32(p.inter);
+    while (weight_bytes(p) > budget) {
+      const int64_t which = fr.uniform(0, 2);
+      if (which == 0 && p.num_experts > 1) p.num_experts = p.num_experts / 2;
+      else if (which == 1 && p.hidden > 32) p.hidden = halve32(p.hidden);
+      else if (p.inter > 32) p.inter = halve32(p.inter);
+      else if (p.hidden > 32) p.hidden = halve32(p.hidden);
+      else p.num_experts = std::max<int64_t>(1, p.num_experts / 2);
+    }
   }
   const int64_t E = p.num_experts;
 

@@ -46,7 +46,8 @@ struct SoakProblem {
   std::string describe() const;
 };
 
-// Bytes of the NVFP4 weights of a problem (codes and e4m3 block scales of w13 and w2).
+// Bytes of the weights of a problem in its format (codes and block scales of w13 and w2: one scale byte
+// per 16 elements for NVFP4, per 32 for MXFP4).
 int64_t weight_bytes(const MoeProblem& p);
 
 // Size classes of make_problem: weights under kSmallWeightBytes, except about 2% of the problems
@@ -54,6 +55,8 @@ int64_t weight_bytes(const MoeProblem& p);
 inline constexpr int64_t kSmallWeightBytes = int64_t(64) << 20;
 inline constexpr int64_t kLargeWeightBytes = int64_t(2) << 30;
 inline constexpr int64_t kMaxTokens = 16384;
+// The share of problems with MXFP4 weights (w4a16, H and I multiples of 32).
+inline constexpr double kMxfp4Share = 0.15;
 
 // Problem `index` of the soak with this seed.
 SoakProblem make_problem(uint64_t seed, int64_t index);

@@ -107,6 +107,8 @@ json problem_to_object(const MoeProblem& p) {
   j["apply_router_weight_on_input"] = p.routing.apply_router_weight_on_input;
   j["activation"] = std::string(to_string(p.activation.kind));
   j["act_quant"] = std::string(to_string(p.act_quant));
+  // NOTE: written for MXFP4 only: an entry without it is NVFP4, as every file written before the field.
+  if (p.weight_format != WeightFormat::NVFP4) j["weight_format"] = std::string(to_string(p.weight_format));
   return j;
 }
 
@@ -124,6 +126,8 @@ MoeProblem problem_from_object(const json& o, const std::string& where) {
   p.routing.apply_router_weight_on_input = bool_field(o, "apply_router_weight_on_input", where);
   p.activation.kind = parse_activation(string_field(o, "activation", where), where + ".activation");
   p.act_quant = parse_act_quant(string_field(o, "act_quant", where), where + ".act_quant");
+  if (o.contains("weight_format"))
+    p.weight_format = parse_weight_format(string_field(o, "weight_format", where), where + ".weight_format");
   p.validate();
   return p;
 }
@@ -143,6 +147,7 @@ MoeProblem key_fields(const MoeProblem& p) {
   k.routing.apply_router_weight_on_input = p.routing.apply_router_weight_on_input;
   k.activation.kind = p.activation.kind;
   k.act_quant = p.act_quant;
+  k.weight_format = p.weight_format;
   return k;
 }
 
@@ -220,6 +225,7 @@ std::string problem_key(const MoeProblem& p) {
     os << ')';
   }
   os << " act=" << to_string(p.activation.kind) << " quant=" << to_string(p.act_quant);
+  if (p.weight_format != WeightFormat::NVFP4) os << " weights=" << to_string(p.weight_format);
   return os.str();
 }
 

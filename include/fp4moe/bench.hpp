@@ -121,7 +121,7 @@ struct BenchRow {
   int64_t experts_hit = 0;    // from the routing of this run
   double median_us = 0, min_us = 0;
   std::vector<double> replay_us;  // every timed replay in launch order (median_us and min_us summarize it)
-  double weight_bytes = 0;    // FP4 weights + e4m3 scales of the experts hit
+  double weight_bytes = 0;    // FP4 weights + block scales of the experts hit, in the problem's format
   double bytes = 0;           // weight_bytes + activations in and out
   double flops = 0;           // 2 * T * k * (w13_rows * H + H * I)
   double floor_us = 0;        // max(bytes / copy rate, flops / bf16 rate)

@@ -20,10 +20,13 @@ struct MoeCase {
   std::vector<float> routing_bias;      // [E] or empty
   std::vector<int32_t> topk_ids;        // [T, k] precomputed only
   std::vector<float> topk_weights;      // [T, k] precomputed only
-  std::vector<uint8_t> w13, w13_scale;  // [E, w13_rows, H/2], [E, w13_rows, H/16]
-  std::vector<float> w13_scale_2, w13_input_scale;  // [E]
-  std::vector<uint8_t> w2, w2_scale;    // [E, H, I/2], [E, H, I/16]
-  std::vector<float> w2_scale_2, w2_input_scale;    // [E]
+  // Weights as reference::MoeWeights describes them for problem.weight_format: NVFP4 e4m3 scales
+  // [.., K/16] with the [E] global (and input) scales; MXFP4 ue8m0 codes [.., K/32] and the four [E]
+  // scale vectors empty.
+  std::vector<uint8_t> w13, w13_scale;  // [E, w13_rows, H/2], [E, w13_rows, H/16] (MXFP4: H/32)
+  std::vector<float> w13_scale_2, w13_input_scale;  // [E] (MXFP4: empty)
+  std::vector<uint8_t> w2, w2_scale;    // [E, H, I/2], [E, H, I/16] (MXFP4: I/32)
+  std::vector<float> w2_scale_2, w2_input_scale;    // [E] (MXFP4: empty)
   std::vector<float> w13_bias, w2_bias;  // optional expert biases: [E, w13_rows], [E, H] (or empty)
 
   reference::MoeWeights weights() const;      // views into this case
@@ -40,7 +43,8 @@ void save_result(const std::string& path, const MoeProblem& problem, int64_t num
                  const reference::MoeResult& result);
 reference::MoeResult load_result(const std::string& path);
 
-// A random case (weights drawn as bf16-like normals and quantized with format/), for tests and demo.
+// A random case (weights drawn as bf16-like normals and quantized with format/: NVFP4, or MXFP4 by
+// format::quantize_mxfp4 without global and input scales), for tests and demo.
 struct RandomCaseOptions {
   uint64_t seed = 1;
   float weight_std = 0.02f;
@@ -54,7 +58,8 @@ MoeCase make_random_case(const MoeProblem& problem, int64_t num_tokens,
 // fp32 weights: cheap for presets with GBs of weights (tests, benchmarks). Weight values
 // q * sf * scale_2 have an RMS of about 0.02; input scales follow the data (amax / (6 * 448)). The codes
 // and scales are drawn on every core, in fixed blocks with generators of their own: the same bytes for
-// a seed whatever the thread count.
+// a seed whatever the thread count. MXFP4 problems get ue8m0 codes instead (a per-expert base of 117..120
+// plus a per-block offset of 0..3; weight RMS about 0.02 as well) and no global or input scales.
 MoeCase make_random_packed_case(const MoeProblem& problem, int64_t num_tokens, uint64_t seed);
 
 // Random expert biases (gpt-oss style) for `c`: w13_bias ~ N(0, 0.1), w2_bias ~ N(0, 0.02), about the

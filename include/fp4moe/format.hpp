@@ -1,4 +1,5 @@
-// fp4moe/format.hpp — NVFP4 number formats, block quantization and scale-factor layouts (docs/numerics.md, "Formats and block quantization").
+// fp4moe/format.hpp — NVFP4 and MXFP4 number formats, block quantization and scale-factor layouts
+// (docs/numerics.md, "Formats and block quantization" and "MXFP4 weights").
 //
 // Everything here is plain IEEE fp32 host code, bit-exact to the numerics contract; the GPU kernels
 // are tested against it.
@@ -8,7 +9,9 @@
 
 namespace fp4moe::format {
 
-inline constexpr int kBlockSize = 16;  // elements per e4m3 block scale along K
+inline constexpr int kBlockSize = 16;      // elements per e4m3 block scale along K (NVFP4)
+inline constexpr int kMxfp4BlockSize = 32; // elements per ue8m0 block scale along K (MXFP4)
+inline constexpr uint8_t kUe8m0Nan = 0xFF; // the ue8m0 NaN code, refused wherever weights are taken
 
 // ---- codecs ---------------------------------------------------------------------------------------
 // e2m1 (FP4): a 4-bit code in the low nibble. Encoding is round-to-nearest-even with saturation to
@@ -45,6 +48,24 @@ uint8_t nvfp4_block_scale(float amax, float global_inv_scale);
 // Dequantized values q * float(sf) (no global scale), [rows, cols], from linear-layout scales.
 void dequantize_nvfp4(const uint8_t* packed, const uint8_t* scales, int64_t rows, int64_t cols,
                       float* out);
+
+// ---- MXFP4 (OCP MX e2m1 with ue8m0 block scales) --------------------------------------------------
+// Dequantized values q * 2^(c - 127), [rows, cols] (cols % 32 == 0), from
+//   packed  [rows, cols/2]  e2m1 pairs as for NVFP4 (element 2j in the low nibble of byte j)
+//   scales  [rows, cols/32] ue8m0 codes c, linear layout.
+// Each value is one fp32 product of two exact numbers, so it is exact whenever it is an fp32 number
+// (every code but 254 with |q| >= 2, which overflows to +-inf as the product must). Code 255 decodes
+// to NaN: callers refuse it first (find_ue8m0_nan). Throws fp4moe::Error on bad shapes.
+void dequantize_mxfp4(const uint8_t* packed, const uint8_t* scales, int64_t rows, int64_t cols, float* out);
+
+// Quantizes rows of fp32 values to MXFP4: per block of 32, c = ue8m0_from_float(amax / 6) (the power
+// of two at or above amax / 6, so no element saturates; an all-zero block gets code 0) and
+// q_i = e2m1_rne_satfinite(x_i * 2^(127 - c)) (an exact scaling). A block with a NaN gets code 255.
+// Random test weights (io::make_random_case); the checkpoints' own codes are taken as they are.
+void quantize_mxfp4(const float* x, int64_t rows, int64_t cols, uint8_t* packed, uint8_t* scales);
+
+// The index of the first ue8m0 NaN code (255) among n codes, or -1 when there is none.
+int64_t find_ue8m0_nan(const uint8_t* codes, int64_t n);
 
 // ---- scale-factor layouts ------------------------------------------------------------------------
 // 128x4-swizzled layout (CUTLASS / FlashInfer / vLLM): rows padded to a multiple of 128, scale columns

@@ -30,16 +30,24 @@ Routing route(const RoutingParams& params, int64_t num_tokens, int64_t num_exper
 float apply_activation(const ActivationParams& act, float gate, float up);
 
 // ---- the layer ------------------------------------------------------------------------------------
-// Quantized weights in the canonical layout (docs/case-file.md; linear scales).
+// Quantized weights in the canonical layout (docs/case-file.md; linear scales), by the problem's
+// weight_format:
+//   NVFP4: block scales e4m3, one per 16 K elements; scale_2 the per-expert fp32 global scales;
+//          input scales for w4a4.
+//   MXFP4: w13 / w2 packed e2m1 exactly as for NVFP4; w13_scale u8 [E, w13_rows, H/32] and w2_scale
+//          u8 [E, H, I/32] hold ue8m0 codes c (value 2^(c - 127); 255 is NaN and refused), one per 32
+//          K elements, linear layout; w13_scale_2, w2_scale_2 and the input scales are unused (may be
+//          null): there is no global scale, and the mode is w4a16 (docs/numerics.md, "MXFP4 weights").
+//   Biases as for NVFP4 in both formats.
 struct MoeWeights {
   const uint8_t* w13 = nullptr;            // [E, w13_rows, H/2]  e2m1 pairs
-  const uint8_t* w13_scale = nullptr;      // [E, w13_rows, H/16] e4m3
-  const float* w13_scale_2 = nullptr;      // [E]
-  const float* w13_input_scale = nullptr;  // [E]
+  const uint8_t* w13_scale = nullptr;      // [E, w13_rows, H/16] e4m3 (MXFP4: [E, w13_rows, H/32] ue8m0)
+  const float* w13_scale_2 = nullptr;      // [E]  (NVFP4 only)
+  const float* w13_input_scale = nullptr;  // [E]  (NVFP4 w4a4 only)
   const uint8_t* w2 = nullptr;             // [E, H, I/2]
-  const uint8_t* w2_scale = nullptr;       // [E, H, I/16]
-  const float* w2_scale_2 = nullptr;       // [E]
-  const float* w2_input_scale = nullptr;   // [E]
+  const uint8_t* w2_scale = nullptr;       // [E, H, I/16] e4m3 (MXFP4: [E, H, I/32] ue8m0)
+  const float* w2_scale_2 = nullptr;       // [E]  (NVFP4 only)
+  const float* w2_input_scale = nullptr;   // [E]  (NVFP4 w4a4 only)
   // w4a4_scalar: when > 0, the one activation scale (the max of w13_input_scale over the whole layer's
   // experts: an expert-parallel rank holds only its own); 0: the max of w13_input_scale[0, E).
   float w13_input_scale_max = 0.0f;
@@ -79,7 +87,8 @@ void check_input_scale_max(const MoeWeights& weights, int64_t num_experts, ActQu
 // Throws fp4moe::Error unless the optional biases (w13_bias [E, w13_rows], w2_bias [E, H]) are finite.
 void check_biases(const MoeWeights& weights, const MoeProblem& problem);
 
-// hidden [T, H] bf16 bits. Checks every argument (throws fp4moe::Error). Multi-threaded over tokens.
+// hidden [T, H] bf16 bits. Checks every argument (throws fp4moe::Error; MXFP4: a ue8m0 code 255, naming
+// the tensor, expert, row and block). Multi-threaded over tokens.
 // The router input is exactly one of: logits (+ bias) for a computed method, or topk_ids +
 // topk_weights for Precomputed (ids checked in [0, E)). Input scales are needed (and checked) for w4a4.
 MoeResult moe_forward(const MoeProblem& problem, int64_t num_tokens, const uint16_t* hidden,

@@ -160,7 +160,9 @@ struct DeviceKey {
 std::string_view fp4moe_version();
 
 // Canonical key of the fields that change the work of the GEMMs: E, H, I, k, routing method with
-// n_group / topk_group (DeepSeekV3) and router weight on input, activation, act_quant. Scalars that
+// n_group / topk_group (DeepSeekV3) and router weight on input, activation, act_quant, and the weight
+// format (" weights=mxfp4" for MXFP4; NVFP4 keys have no such part, so cache files written before the
+// field read as NVFP4, and their entries keep their keys). Scalars that
 // only change values (routed_scaling_factor, swiglu alpha/beta/limit) are left out so that problems
 // differing only in them share their tuning. e.g.
 //   "E=256 H=7168 I=2048 k=8 routing=deepseek_v3(n_group=8,topk_group=4) act=swiglu quant=w4a4_scalar"

@@ -215,16 +215,36 @@ TEST(Problem, Describe) {
   EXPECT_EQ(preset("llama4-scout", ActQuant::W4A4PerExpert).describe(),
             "E=16 H=5120 I=8192 k=1 routing=llama4(weight_on_input) act=swiglu quant=w4a4_per_expert");
   EXPECT_EQ(preset("gpt-oss-120b").describe(),
-            "E=128 H=2880 I=2880 k=4 routing=renormalize act=swiglu_oai(alpha=1.702,beta=1,limit=7) quant=w4a16");
+            "E=128 H=2880 I=2880 k=4 routing=renormalize act=swiglu_oai(alpha=1.702,beta=1,limit=7) quant=w4a16 "
+            "weights=mxfp4");
+  EXPECT_EQ(preset("gpt-oss-20b").describe(),
+            "E=32 H=2880 I=2880 k=4 routing=renormalize act=swiglu_oai(alpha=1.702,beta=1,limit=7) quant=w4a16 "
+            "weights=mxfp4");
+  EXPECT_EQ(preset("gpt-oss-120b-nvfp4", ActQuant::W4A4Scalar).describe(),
+            "E=128 H=2880 I=2880 k=4 routing=renormalize act=swiglu_oai(alpha=1.702,beta=1,limit=7) quant=w4a4_scalar");
+}
+
+TEST(Preset, Mxfp4PresetsTakeW4a16Only) {
+  EXPECT_EQ(preset_weight_format("gpt-oss-120b"), WeightFormat::MXFP4);
+  EXPECT_EQ(preset_weight_format("gpt-oss-20b"), WeightFormat::MXFP4);
+  EXPECT_EQ(preset_weight_format("gpt-oss-120b-nvfp4"), WeightFormat::NVFP4);
+  EXPECT_EQ(preset_weight_format("deepseek-r1"), WeightFormat::NVFP4);
+  EXPECT_THAT(error_of([] { preset("gpt-oss-120b", ActQuant::W4A4Scalar); }),
+              AllOf(HasSubstr("preset 'gpt-oss-120b' has mxfp4 weights, which run in mode w4a16 only, got w4a4_scalar"),
+                    HasSubstr("NVFP4 stand-in 'gpt-oss-120b-nvfp4'")));
+  EXPECT_THAT(error_of([] { preset("gpt-oss-20b", ActQuant::W4A4PerExpert); }),
+              AllOf(HasSubstr("preset 'gpt-oss-20b' has mxfp4 weights"), ::testing::Not(HasSubstr("stand-in"))));
+  EXPECT_THAT(error_of([] { preset_weight_format("gpt-oss"); }), HasSubstr("unknown model name 'gpt-oss'"));
 }
 
 TEST(Preset, AllPresetsValidate) {
   const auto names = preset_names();
   EXPECT_EQ(names, (std::vector<std::string>{"deepseek-r1", "qwen3-30b-a3b", "qwen3-235b-a22b", "llama4-scout",
-                                             "gpt-oss-120b", "kimi-k2", "glm-4.6", "qwen3-next-80b-a3b",
-                                             "tiny"}));
+                                             "gpt-oss-120b", "gpt-oss-20b", "gpt-oss-120b-nvfp4", "kimi-k2", "glm-4.6",
+                                             "qwen3-next-80b-a3b", "tiny"}));
   for (const auto& n : names)
     for (ActQuant q : {ActQuant::W4A16, ActQuant::W4A4Scalar, ActQuant::W4A4PerExpert}) {
+      if (preset_weight_format(n) == WeightFormat::MXFP4 && q != ActQuant::W4A16) continue;  // Mxfp4PresetsTakeW4a16Only
       const MoeProblem p = preset(n, q);
       EXPECT_NO_THROW(p.validate()) << n;
       EXPECT_EQ(p.act_quant, q) << n;
@@ -275,6 +295,16 @@ TEST(Preset, ModelShapes) {
   EXPECT_EQ(oss.activation.swiglu_alpha, 1.702f);
   EXPECT_EQ(oss.activation.swiglu_beta, 1.0f);
   EXPECT_EQ(oss.activation.swiglu_limit, 7.0f);
+  EXPECT_EQ(oss.weight_format, WeightFormat::MXFP4);
+  const MoeProblem oss20 = preset("gpt-oss-20b");
+  EXPECT_EQ(oss20.num_experts, 32);
+  EXPECT_EQ(oss20.hidden, 2880);
+  EXPECT_EQ(oss20.inter, 2880);
+  EXPECT_EQ(oss20.top_k(), 4);
+  MoeProblem stand_in = preset("gpt-oss-120b-nvfp4");
+  EXPECT_EQ(stand_in.weight_format, WeightFormat::NVFP4);
+  stand_in.weight_format = WeightFormat::MXFP4;
+  EXPECT_EQ(stand_in.describe(), oss.describe());  // the same layer but for the weights' format
 
   EXPECT_EQ(preset("kimi-k2").describe(),
             "E=384 H=7168 I=2048 k=8 routing=deepseek_v3(n_group=1,topk_group=1,scale=2.827) act=swiglu quant=w4a16");

@@ -5,6 +5,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -708,6 +709,142 @@ TEST(CaseFileSave, RejectsInconsistentCases) {
   MoeCase d = make_random_case(small_problem(), 3, {.seed = 9});
   d.w13_input_scale.clear();  // required for w4a4
   EXPECT_THROW(save_case(path, d), Error);
+}
+
+
+// ---- MXFP4 -------------------------------------------------------------------------------------
+
+MoeProblem mx_problem(Activation act = Activation::SwiGLUOai) {
+  MoeProblem p = small_problem(act, RoutingMethod::Renormalize, ActQuant::W4A16);
+  p.hidden = 64;
+  p.inter = 96;
+  p.weight_format = WeightFormat::MXFP4;
+  return p;
+}
+
+TEST(CaseFileMxfp4, RoundTripWithU8ScalesAndNoGlobalScales) {
+  for (Activation act : {Activation::SwiGLUOai, Activation::Relu2}) {
+    MoeCase c = make_random_case(mx_problem(act), 6, {.seed = 31});
+    add_random_expert_biases(c, 32);
+    const int64_t rows = c.problem.w13_rows();
+    ASSERT_EQ(c.w13_scale.size(), size_t(4 * rows * 64 / 32));
+    ASSERT_EQ(c.w2_scale.size(), size_t(4 * 64 * 96 / 32));
+    EXPECT_TRUE(c.w13_scale_2.empty() && c.w2_scale_2.empty() && c.w13_input_scale.empty() && c.w2_input_scale.empty());
+    const std::string path = tmp_path();
+    save_case(path, c);
+    const SafetensorsFile f = SafetensorsFile::open(path);
+    EXPECT_EQ(f.metadata().at("weight_format"), "mxfp4");
+    EXPECT_EQ(f.tensor("w13_scale").dtype, DType::U8);
+    EXPECT_EQ(f.tensor("w2_scale").shape, (std::vector<int64_t>{4, 64, 3}));
+    EXPECT_FALSE(f.contains("w13_scale_2") || f.contains("w2_scale_2") || f.contains("w13_input_scale"));
+    const MoeCase back = load_case(path);
+    EXPECT_EQ(back.problem.weight_format, WeightFormat::MXFP4);
+    expect_equal_cases(c, back);
+    expect_same_bits(c.w13_bias, back.w13_bias, "w13_bias");
+    expect_same_bits(c.w2_bias, back.w2_bias, "w2_bias");
+  }
+}
+
+TEST(CaseFileMxfp4, Nvfp4FilesHaveNoFormatKeyAndLoadAsNvfp4) {
+  const std::string path = tmp_path();
+  save_case(path, make_random_case(small_problem(), 2, {.seed = 3}));
+  EXPECT_EQ(SafetensorsFile::open(path).metadata().count("weight_format"), 0u);
+  EXPECT_EQ(load_case(path).problem.weight_format, WeightFormat::NVFP4);
+}
+
+// make_random_case quantizes its normal weights with format::quantize_mxfp4: the dequantized weights are
+// the kept fp32 weights to within half an e2m1 step of their block, and the codes are realistic.
+TEST(CaseFileMxfp4, RandomCaseFollowsTheMxfp4Recipe) {
+  const MoeProblem p = mx_problem();
+  std::vector<float> w13, w2;
+  const MoeCase c = make_random_case(p, 2, {.seed = 5}, &w13, &w2);
+  std::vector<float> deq(w13.size());
+  format::dequantize_mxfp4(c.w13.data(), c.w13_scale.data(), p.num_experts * p.w13_rows(), p.hidden, deq.data());
+  for (size_t b = 0; b < c.w13_scale.size(); ++b) {
+    float amax = 0;
+    for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(w13[b * 32 + i]));
+    ASSERT_EQ(c.w13_scale[b], format::ue8m0_from_float(amax / 6.0f)) << "block " << b;
+    const float step = format::ue8m0_to_float(c.w13_scale[b]);  // the largest e2m1 step (4 -> 6) is 2 * step
+    for (int i = 0; i < 32; ++i) ASSERT_LE(std::fabs(deq[b * 32 + i] - w13[b * 32 + i]), step) << "block " << b;
+  }
+  const auto [lo, hi] = std::minmax_element(c.w2_scale.begin(), c.w2_scale.end());
+  EXPECT_GE(*lo, 110);  // weights N(0, 0.02): block amax about 0.01..0.1
+  EXPECT_LE(*hi, 125);
+  EXPECT_THROW(make_random_case([] { MoeProblem q = mx_problem(); q.inter = 48; return q; }(), 1), Error);
+}
+
+class CaseFileMxfp4Errors : public ::testing::Test {
+ protected:
+  // E=4 H=64 I=96 k=2, swiglu_oai, renormalize, w4a16, mxfp4, T=3.
+  void SetUp() override {
+    path_ = tmp_path();
+    base_ = editable(make_random_case(mx_problem(), 3, {.seed = 8}), path_);
+  }
+  std::string error_with(const std::function<void(EditableCase&)>& edit) {
+    EditableCase ec = base_;
+    edit(ec);
+    return load_error(ec, path_);
+  }
+  std::string path_;
+  EditableCase base_;
+};
+
+TEST_F(CaseFileMxfp4Errors, BaseCaseLoads) { EXPECT_EQ(error_with([](EditableCase&) {}), ""); }
+
+TEST_F(CaseFileMxfp4Errors, UnknownFormatName) {
+  EXPECT_THAT(error_with([](EditableCase& ec) { ec.meta["weight_format"] = "mxfp8"; }),
+              AllOf(HasSubstr("metadata 'weight_format'"), HasSubstr("unknown name 'mxfp8'"), HasSubstr("nvfp4, mxfp4")));
+}
+
+TEST_F(CaseFileMxfp4Errors, ScalesMustBeU8OfBlocksOf32) {
+  EXPECT_THAT(error_with([](EditableCase& ec) {
+                ec.set("w13_scale", DType::F8_E4M3, {4, 192, 2}, ec.values<uint8_t>("w13_scale"));
+              }),
+              AllOf(HasSubstr("tensor 'w13_scale'"), HasSubstr("expected dtype U8")));
+  EXPECT_THAT(error_with([](EditableCase& ec) {
+                ec.set("w2_scale", DType::U8, {4, 64, 6}, std::vector<uint8_t>(4 * 64 * 6, 120));
+              }),
+              AllOf(HasSubstr("tensor 'w2_scale'"), HasSubstr("[4, 64, 3]"), HasSubstr("[E, H, I/32]")));
+  // An NVFP4 file's scales read as MXFP4 (the key alone changed) do not fit.
+  EXPECT_THAT(error_with([](EditableCase& ec) { ec.meta.erase("weight_format"); }),
+              AllOf(HasSubstr("tensor 'w13_scale'"), HasSubstr("expected dtype F8_E4M3")));
+}
+
+TEST_F(CaseFileMxfp4Errors, NanCodeIsRefusedNamingExpertRowBlock) {
+  EXPECT_THAT(error_with([](EditableCase& ec) {
+                std::vector<uint8_t> v = ec.values<uint8_t>("w2_scale");
+                v[2 * 64 * 3 + 17 * 3 + 1] = 255;  // expert 2, row 17, block 1
+                ec.set("w2_scale", DType::U8, {4, 64, 3}, v);
+              }),
+              AllOf(HasSubstr("tensor 'w2_scale'"), HasSubstr("[2, 17, 1] (expert, row, block) is NaN (code 255)")));
+}
+
+TEST_F(CaseFileMxfp4Errors, GlobalAndInputScalesAreRefused) {
+  for (const char* name : {"w13_scale_2", "w2_scale_2", "w13_input_scale", "w2_input_scale"})
+    EXPECT_THAT(error_with([&](EditableCase& ec) { ec.set(name, DType::F32, {4}, std::vector<float>(4, 1.0f)); }),
+                AllOf(HasSubstr("tensor '" + std::string(name) + "' is not part of an mxfp4 case"))) << name;
+}
+
+TEST_F(CaseFileMxfp4Errors, OnlyW4a16AndMultiplesOf32) {
+  EXPECT_THAT(error_with([](EditableCase& ec) { ec.meta["act_quant"] = "w4a4_scalar"; }),
+              HasSubstr("act_quant must be w4a16 with mxfp4 weights"));
+  EXPECT_THAT(error_with([](EditableCase& ec) {  // H = 48: a multiple of 16, not of 32
+                ec.set("hidden_states", DType::BF16, {3, 48}, std::vector<uint16_t>(3 * 48));
+                ec.set("w13", DType::U8, {4, 192, 24}, std::vector<uint8_t>(4 * 192 * 24));
+                ec.set("w2", DType::U8, {4, 48, 48}, std::vector<uint8_t>(4 * 48 * 48));
+              }),
+              HasSubstr("MoeProblem.hidden (H) must be a multiple of 32 with mxfp4 weights"));
+}
+
+TEST(CaseFileMxfp4Save, RejectsGlobalScalesAndNvfp4SizedScales) {
+  const std::string path = tmp_path();
+  MoeCase c = make_random_case(mx_problem(), 2, {.seed = 4});
+  MoeCase d = c;
+  d.w13_scale_2.assign(4, 1.0f);
+  EXPECT_THAT([&] { save_case(path, d); }, ::testing::ThrowsMessage<Error>(HasSubstr("w13_scale_2 must be empty")));
+  d = c;
+  d.w2_scale.resize(4 * 64 * 6);
+  EXPECT_THAT([&] { save_case(path, d); }, ::testing::ThrowsMessage<Error>(HasSubstr("E*H*(I/32)")));
 }
 
 }  // namespace

@@ -85,5 +85,35 @@ TEST(RandomPackedCase, ScaleCodesAndNibblesAreEvenlySpread) {
   }
 }
 
+
+// MXFP4: ue8m0 codes base[e] + 0..3 with a per-expert base in 117..120, the same bytes for a seed, no
+// global or input scales; an NVFP4 case of the same seed keeps its bytes (the MXFP4 draws are extra).
+TEST(RandomPackedCase, Mxfp4CodesPerExpertBaseAndOffsets) {
+  MoeProblem p = four_block_problem();
+  p.weight_format = WeightFormat::MXFP4;
+  const io::MoeCase a = io::make_random_packed_case(p, 3, 21);
+  const io::MoeCase b = io::make_random_packed_case(p, 3, 21);
+  EXPECT_EQ(a.w13_scale, b.w13_scale);
+  EXPECT_EQ(a.w2_scale, b.w2_scale);
+  EXPECT_EQ(a.w13, b.w13);
+  EXPECT_TRUE(a.w13_scale_2.empty() && a.w2_scale_2.empty() && a.w13_input_scale.empty() && a.w2_input_scale.empty());
+  const int64_t E = p.num_experts;
+  ASSERT_EQ(a.w13_scale.size(), size_t(E * p.w13_rows() * p.hidden / 32));
+  ASSERT_EQ(a.w2_scale.size(), size_t(E * p.hidden * p.inter / 32));
+  for (const auto* s : {&a.w13_scale, &a.w2_scale}) {
+    const int64_t per_expert = static_cast<int64_t>(s->size()) / E;
+    for (int64_t e = 0; e < E; ++e) {
+      const auto [lo, hi] = std::minmax_element(s->begin() + e * per_expert, s->begin() + (e + 1) * per_expert);
+      EXPECT_GE(*lo, 117);
+      EXPECT_LE(*hi, 123);
+      EXPECT_EQ(*hi - *lo, 3) << "expert " << e;  // all four offsets occur
+      EXPECT_LE(*lo, 120);
+    }
+  }
+  const io::MoeCase nv = io::make_random_packed_case(four_block_problem(), 3, 21);
+  EXPECT_EQ(nv.w13, a.w13);  // the codes' stream is the same one
+  EXPECT_EQ(nv.hidden_states, a.hidden_states);
+}
+
 }  // namespace
 }  // namespace fp4moe

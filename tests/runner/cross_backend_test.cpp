@@ -138,6 +138,17 @@ std::vector<std::string> write_fixtures() {
                           RoutingMethod::SigmoidRenorm, RoutingMethod::TopKSigmoid})
     save("method-" + std::string(to_string(m)),
          io::make_random_case(small_problem(Activation::SwiGLU, m, ActQuant::W4A4PerExpert), 13, {.seed = 10}));
+  {  // MXFP4 weights (ue8m0 scales of 32, no global scales), with gpt-oss's biases
+    MoeProblem p = small_problem(Activation::SwiGLUOai, RoutingMethod::Renormalize, ActQuant::W4A16);
+    p.hidden = 64;
+    p.inter = 96;
+    p.weight_format = WeightFormat::MXFP4;
+    io::MoeCase c = io::make_random_case(p, 10, {.seed = 11});
+    io::add_random_expert_biases(c, 12);
+    save("mxfp4-swiglu-oai-biases", c);
+    c.w2_scale[7] = 255;  // ue8m0 NaN
+    save("bad-mxfp4-nan-code", c);
+  }
   // Bad values: refused when loaded.
   {
     io::MoeCase c = io::make_random_case(small_problem(Activation::SwiGLU, RoutingMethod::Renormalize, ActQuant::W4A16), 3);

@@ -123,8 +123,10 @@ std::vector<LayerCase> preset_cases() {
   v.push_back({"qwen3-235b-a22b", ActQuant::W4A4Scalar, 40});
   v.push_back({"llama4-scout", ActQuant::W4A16, 70});
   v.push_back({"llama4-scout", ActQuant::W4A4Scalar, 1});
-  v.push_back({"gpt-oss-120b", ActQuant::W4A16, 24});
-  v.push_back({"gpt-oss-120b", ActQuant::W4A4Scalar, 5});
+  v.push_back({"gpt-oss-120b", ActQuant::W4A16, 24});  // MXFP4
+  v.push_back({"gpt-oss-20b", ActQuant::W4A16, 7});    // MXFP4
+  v.push_back({"gpt-oss-120b-nvfp4", ActQuant::W4A16, 3});
+  v.push_back({"gpt-oss-120b-nvfp4", ActQuant::W4A4Scalar, 5});
   v.push_back({"kimi-k2", ActQuant::W4A4Scalar, 9});  // 384 experts, one group
   v.push_back({"glm-4.6", ActQuant::W4A16, 12});
   v.push_back({"qwen3-next-80b-a3b", ActQuant::W4A16, 30});  // 512 experts, k = 10
@@ -326,8 +328,12 @@ TEST(LayerEdge, OutOfRangePrecomputedIdPoisonsOnlyItsToken) {
 // rank's expert: -1, skip_foreign_ids), outputs poisoned first, against the reference rank.
 TEST(LayerExpertParallel, RanksMatchTheReferenceRank) {
   SKIP_WITHOUT_GPU();
-  for (ActQuant mode : {ActQuant::W4A16, ActQuant::W4A4Scalar, ActQuant::W4A4PerExpert}) {
-    const MoeProblem p = preset("tiny", mode);
+  for (const auto& [mode, format] : {std::pair{ActQuant::W4A16, WeightFormat::NVFP4},
+                                     std::pair{ActQuant::W4A4Scalar, WeightFormat::NVFP4},
+                                     std::pair{ActQuant::W4A4PerExpert, WeightFormat::NVFP4},
+                                     std::pair{ActQuant::W4A16, WeightFormat::MXFP4}}) {
+    MoeProblem p = preset("tiny", mode);
+    p.weight_format = format;
     const int64_t T = 77, k = p.top_k();
     const io::MoeCase c = random_case(p, T, 90);
     const reference::MoeResult full =
@@ -356,7 +362,8 @@ TEST(LayerExpertParallel, RanksMatchTheReferenceRank) {
       const std::vector<uint16_t> out = buf.output(&copied);
       ASSERT_EQ(copied, cudaSuccess);
       expect_output_matches(out, ref.output, T, p.hidden,
-                            std::string(to_string(mode)) + " rank " + std::to_string(rank));
+                            std::string(to_string(mode)) + " " + std::string(to_string(format)) + " rank " +
+                                std::to_string(rank));
     }
   }
 }
@@ -473,6 +480,163 @@ TEST(LayerErrors, ArgumentsAreCheckedBeforeLaunch) {
   reference::MoeWeights w = c.weights();
   w.w2_scale_2 = bad.data();
   EXPECT_NE(runner->prepare_weights(w).message.find("w2_scale_2[0]"), std::string::npos);
+}
+
+
+// ---- MXFP4 weights (docs/numerics.md, "MXFP4 weights") ---------------------------------------------
+// The runner prepares MXFP4 weights as their exact NVFP4 equivalent (io::nvfp4_equivalent), so the layer
+// meets the same tolerance table against the MXFP4 reference, with every routing method, activation,
+// bias and tactic of both GEMM families.
+
+MoeProblem mxfp4_problem(RoutingMethod method, Activation act) {
+  MoeProblem p;
+  p.num_experts = 16;
+  p.hidden = 256;
+  p.inter = 96;  // 3 blocks of 32, not a multiple of the GEMM tiles
+  p.routing.method = method;
+  p.routing.top_k = method == RoutingMethod::Llama4 ? 1 : 4;
+  if (method == RoutingMethod::DeepSeekV3) {
+    p.routing.n_group = 4;
+    p.routing.topk_group = 2;
+    p.routing.routed_scaling_factor = 2.5f;
+  }
+  p.routing.apply_router_weight_on_input = method == RoutingMethod::Llama4;
+  p.activation.kind = act;
+  p.weight_format = WeightFormat::MXFP4;
+  return p;
+}
+
+struct Mxfp4SmallCase {
+  RoutingMethod method;
+  Activation act;
+  bool biases;
+};
+class LayerMxfp4Small : public ::testing::TestWithParam<Mxfp4SmallCase> {};
+
+TEST_P(LayerMxfp4Small, MatchesReference) {
+  SKIP_WITHOUT_GPU();
+  const Mxfp4SmallCase& mc = GetParam();
+  const MoeProblem p = mxfp4_problem(mc.method, mc.act);
+  for (int64_t T : {1, 37}) {
+    io::MoeCase c = random_case(p, T, 60 + T);
+    if (mc.biases) io::add_random_expert_biases(c, 61 + T);
+    expect_layer_matches(c, p.describe() + (mc.biases ? " biases" : "") + " T=" + std::to_string(T));
+  }
+}
+
+std::vector<Mxfp4SmallCase> mxfp4_small_cases() {
+  std::vector<Mxfp4SmallCase> v;
+  for (RoutingMethod m : {RoutingMethod::Default, RoutingMethod::Renormalize, RoutingMethod::RenormalizeNaive,
+                          RoutingMethod::TopK, RoutingMethod::Sigmoid, RoutingMethod::SigmoidRenorm,
+                          RoutingMethod::TopKSigmoid, RoutingMethod::Llama4, RoutingMethod::DeepSeekV3,
+                          RoutingMethod::Precomputed})
+    v.push_back({m, Activation::SwiGLUOai, true});
+  for (Activation a : {Activation::SwiGLU, Activation::GeGLU, Activation::SwiGLUOai, Activation::Relu2})
+    for (bool b : {false, true})
+      if (a != Activation::SwiGLUOai || !b) v.push_back({RoutingMethod::Renormalize, a, b});
+  return v;
+}
+
+INSTANTIATE_TEST_SUITE_P(Small, LayerMxfp4Small, ::testing::ValuesIn(mxfp4_small_cases()), [](const auto& info) {
+  return std::string(to_string(info.param.method)) + "_" + std::string(to_string(info.param.act)) +
+         (info.param.biases ? "_bias" : "");
+});
+
+// Every tactic of both families (the LayerTactic list) on MXFP4 shapes that stress its tiles.
+class LayerMxfp4Tactic : public ::testing::TestWithParam<TacticCase> {};
+
+TEST_P(LayerMxfp4Tactic, MatchesReference) {
+  SKIP_WITHOUT_GPU();
+  const MoeTactic t = GetParam().tactic;
+  int ran = 0;
+  auto run = [&](const io::MoeCase& c, const std::string& label) {
+    if (!tactic_valid(c.problem, t)) return;
+    ++ran;
+    expect_layer_matches(c, label, t);
+  };
+  {
+    MoeProblem p = preset("tiny");
+    p.weight_format = WeightFormat::MXFP4;  // E=8 k=2: ~250 tokens per expert
+    run(random_case(p, 1000, 31), "tiny mxfp4 T=1000");
+  }
+  {
+    MoeProblem p;
+    p.num_experts = 6;
+    p.hidden = 2880;  // K tail of GEMM1 (22.5 chunks of 128)
+    p.inter = 96;
+    p.routing.top_k = 2;
+    p.activation.kind = Activation::SwiGLUOai;
+    p.weight_format = WeightFormat::MXFP4;
+    io::MoeCase c = random_case(p, 333, 32);
+    io::add_random_expert_biases(c, 33);
+    run(c, "gpt-oss-like shapes with biases");
+  }
+  {
+    MoeProblem p;
+    p.num_experts = 4;
+    p.hidden = 320;
+    p.inter = 352;
+    p.routing.method = RoutingMethod::TopK;
+    p.routing.top_k = 1;  // GEMM2 writes the output (fused finalize)
+    p.activation.kind = Activation::Relu2;
+    p.weight_format = WeightFormat::MXFP4;
+    run(random_case(p, 1500, 34), "relu2 top-1");
+  }
+  for (int64_t T : {1, 5, 24, 40}) {  // decode-sized, K deep enough for every split; a K tail in GEMM2
+    MoeProblem p;
+    p.num_experts = 16;
+    p.hidden = 1024;
+    p.inter = 1056;  // 8.25 chunks
+    p.routing.top_k = 4;
+    p.activation.kind = Activation::SwiGLU;
+    p.weight_format = WeightFormat::MXFP4;
+    run(random_case(p, T, 35 + T), "decode shapes T=" + std::to_string(T));
+  }
+  EXPECT_GE(ran, 3) << describe(t) << " ran on too few of the cases";
+}
+
+INSTANTIATE_TEST_SUITE_P(Tactics, LayerMxfp4Tactic, ::testing::ValuesIn(tactic_cases()),
+                         [](const auto& info) { return info.param.name; });
+
+// gpt-oss shapes (H = I = 2880, k = 4, E = 32: gpt-oss-20b; renormalize, swiglu_oai, biases) at decode
+// token counts and T = 100 (every expert hit, about 12 rows each), with the heuristic's tactics.
+class LayerMxfp4GptOss : public ::testing::TestWithParam<int64_t> {};
+
+TEST_P(LayerMxfp4GptOss, MatchesReference) {
+  SKIP_WITHOUT_GPU();
+  const int64_t T = GetParam();
+  const MoeProblem p = preset("gpt-oss-20b");
+  ASSERT_EQ(p.weight_format, WeightFormat::MXFP4);
+  io::MoeCase c = random_case(p, T, 900 + T);
+  io::add_random_expert_biases(c, 901 + T);
+  expect_layer_matches(c, "gpt-oss-20b T=" + std::to_string(T));
+}
+
+// NOTE: T * k * 25M multiply-adds in the CPU reference: T = 100 is about 1e10.
+INSTANTIATE_TEST_SUITE_P(Tokens, LayerMxfp4GptOss, ::testing::Values(1, 4, 33, 100));
+
+// The 18-powers-of-two limit and NaN codes are refused by prepare_weights, naming tensor and expert.
+TEST(LayerMxfp4Errors, PrepareRefusesWideSpansAndNanCodes) {
+  SKIP_WITHOUT_GPU();
+  MoeProblem p = preset("tiny");
+  p.weight_format = WeightFormat::MXFP4;
+  io::MoeCase c = random_case(p, 4, 5);
+  auto runner = MoeRunner::create(p, 4);
+  ASSERT_TRUE(runner->prepare_weights(c.weights()).ok());
+  const int64_t per_expert = static_cast<int64_t>(c.w2_scale.size()) / p.num_experts;
+  const uint8_t lo = *std::min_element(c.w2_scale.begin() + 3 * per_expert, c.w2_scale.begin() + 4 * per_expert);
+  c.w2_scale[3 * per_expert + 7] = static_cast<uint8_t>(lo + 18);  // expert 3: 19 powers of two
+  const Status wide = runner->prepare_weights(c.weights());
+  EXPECT_NE(wide.message.find("w2_scale of expert 3 spans ue8m0 codes"), std::string::npos) << wide.message;
+  EXPECT_NE(wide.message.find("at most 18 powers of two"), std::string::npos) << wide.message;
+  c.w2_scale[3 * per_expert + 7] = 255;
+  const Status nan = runner->prepare_weights(c.weights());
+  EXPECT_NE(nan.message.find("code 255 (NaN) at expert 3"), std::string::npos) << nan.message;
+  c.w2_scale[3 * per_expert + 7] = static_cast<uint8_t>(lo + 17);  // exactly 18: taken
+  EXPECT_TRUE(runner->prepare_weights(c.weights()).ok());
+  WeightPrepOptions swizzled;
+  swizzled.scales_swizzled = true;
+  EXPECT_NE(runner->prepare_weights(c.weights(), swizzled).message.find("not built for mxfp4"), std::string::npos);
 }
 
 }  // namespace

@@ -47,6 +47,23 @@ TEST(Cli, RunOnCpuMatchesTheReferenceBitForBit) {
   }
 }
 
+TEST(Cli, RunOnCpuTakesMxfp4CaseFiles) {
+  MoeProblem p = preset("tiny");
+  p.activation.kind = Activation::SwiGLUOai;
+  p.weight_format = WeightFormat::MXFP4;
+  io::MoeCase c = io::make_random_case(p, 9);
+  io::add_random_expert_biases(c, 2);
+  const std::string in = tmp_path("cli_mx_case.safetensors"), out = tmp_path("cli_mx_out.safetensors");
+  io::save_case(in, c);
+  const CliRun r = cli("run --case " + in + " --out " + out + " --device cpu");
+  ASSERT_EQ(r.status, 0) << r.output;
+  const reference::MoeResult got = io::load_result(out);
+  const reference::MoeResult want =
+      reference::moe_forward(c.problem, c.num_tokens, c.hidden_states.data(), c.router(), c.weights());
+  EXPECT_EQ(got.output, want.output);
+  EXPECT_EQ(got.topk_ids, want.topk_ids);
+}
+
 TEST(Cli, MissingCaseFileIsAnErrorNamingIt) {
   const CliRun r = cli("run --case /nonexistent/case.safetensors --out " + tmp_path("x.safetensors") + " --device cpu");
   EXPECT_EQ(r.status, 2);
@@ -102,12 +119,23 @@ TEST(Cli, BenchAndTuneRejectAnUnknownL2Flush) {
 }
 
 TEST(Cli, BenchTensorParallelSplitIsCheckedBeforeAnyGpuWork) {
-  const CliRun r = cli("bench --model gpt-oss-120b --tokens 1 --tp-size 181");  // I = 2880: 180 blocks of 16
+  const CliRun r = cli("bench --model gpt-oss-120b-nvfp4 --tokens 1 --tp-size 181");  // I = 2880: 180 blocks of 16
   EXPECT_EQ(r.status, 2);
   EXPECT_THAT(r.output, HasSubstr("at least tp_size = 181 blocks of 16"));
+  // MXFP4 (w4a16 without --mode): 90 blocks of 32
+  const CliRun mx = cli("bench --model gpt-oss-120b --tokens 1 --tp-size 91");
+  EXPECT_EQ(mx.status, 2);
+  EXPECT_THAT(mx.output, HasSubstr("at least tp_size = 91 blocks of 32"));
   const CliRun zero = cli("bench --model tiny --tokens 1 --tp-size 0");
   EXPECT_EQ(zero.status, 2);
   EXPECT_THAT(zero.output, HasSubstr("--tp-size must be >= 1, got 0"));
+}
+
+TEST(Cli, BenchMxfp4PresetsTakeW4a16Only) {
+  const CliRun r = cli("bench --model gpt-oss-20b --tokens 1,64 --mode w4a4_scalar");
+  EXPECT_EQ(r.status, 2);
+  EXPECT_THAT(r.output, AllOf(HasSubstr("preset 'gpt-oss-20b' has mxfp4 weights, which run in mode w4a16 only"),
+                              HasSubstr("w4a4_scalar")));
 }
 
 TEST(Cli, BenchExpertBiasesAreForPresets) {

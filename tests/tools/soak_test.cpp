@@ -22,6 +22,7 @@
 #include "fp4moe/format.hpp"
 #include "fp4moe/safetensors.hpp"
 #include "fp4moe/tune.hpp"
+#include "fp4moe/weight_layout.hpp"
 #include "test_dir.hpp"
 #include "tools/cli_run.hpp"
 
@@ -43,7 +44,9 @@ TEST(SoakProblems, ValidAndCoveringEveryKind) {
   std::map<std::string, int64_t> t_class;
   int64_t large = 0, forced = 0, heuristic = 0, biases = 0, bias_routing = 0, ties = 0, all_equal = 0, bf16 = 0;
   int64_t nan_hidden = 0, inf_hidden = 0, nan_logit = 0, inf_logit = 0, invalid_ids = 0, skip = 0, weight_on_input = 0;
-  int64_t grouped = 0, small_ragged = 0;
+  int64_t grouped = 0, small_ragged = 0, mxfp4 = 0, mxfp4_forced = 0, mxfp4_biases = 0;
+  std::set<Activation> mxfp4_acts;
+  std::set<RoutingMethod> mxfp4_methods;
   std::set<int64_t> token_counts;
   for (int64_t i = 0; i < kProblems; ++i) {
     const SoakProblem sp = make_problem(kSeed, i);
@@ -94,7 +97,25 @@ TEST(SoakProblems, ValidAndCoveringEveryKind) {
     skip += p.routing.skip_foreign_ids;
     weight_on_input += p.routing.apply_router_weight_on_input;
     grouped += p.routing.method == RoutingMethod::DeepSeekV3 && p.routing.n_group > 1;
+    if (p.weight_format == WeightFormat::MXFP4) {
+      ASSERT_EQ(p.act_quant, ActQuant::W4A16) << sp.describe();
+      ASSERT_EQ(p.hidden % 32, 0) << sp.describe();
+      ASSERT_EQ(p.inter % 32, 0) << sp.describe();
+      ++mxfp4;
+      mxfp4_forced += sp.tactic.has_value();
+      mxfp4_biases += sp.expert_biases;
+      mxfp4_acts.insert(p.activation.kind);
+      mxfp4_methods.insert(p.routing.method);
+    }
   }
+  // MXFP4: about kMxfp4Share of the problems, with every activation and routing method, forced tactics
+  // and biases among them.
+  EXPECT_GT(mxfp4, kProblems * kMxfp4Share / 2);
+  EXPECT_LT(mxfp4, kProblems * kMxfp4Share * 2);
+  EXPECT_EQ(mxfp4_acts.size(), 4u);
+  EXPECT_EQ(mxfp4_methods.size(), 10u);
+  EXPECT_GT(mxfp4_forced, 10);
+  EXPECT_GT(mxfp4_biases, 5);
   EXPECT_EQ(methods.size(), 10u);
   EXPECT_EQ(acts.size(), 4u);
   EXPECT_EQ(modes.size(), 3u);
@@ -144,6 +165,24 @@ SoakProblem find_problem(const std::function<bool(const SoakProblem&)>& want) {
     if (weight_bytes(sp.problem) <= (4 << 20) && sp.num_tokens <= 300 && want(sp)) return sp;
   }
   throw Error("no such soak problem");
+}
+
+// An MXFP4 problem's case: ue8m0 scales of blocks of 32 whose codes the GPU kernels take (a span of at
+// most 18 powers of two per expert and tensor), no global scales; the reference computes it.
+TEST(SoakProblems, Mxfp4CasesFitTheKernels) {
+  const SoakProblem sp = find_problem([](const SoakProblem& s) {
+    return s.problem.weight_format == WeightFormat::MXFP4 && s.num_tokens > 0 && !s.problem.routing.skip_foreign_ids &&
+           s.invalid_id_tokens == 0;
+  });
+  const io::MoeCase c = make_case(sp);
+  const MoeProblem& p = sp.problem;
+  ASSERT_EQ(c.w13_scale.size(), size_t(p.num_experts * p.w13_rows() * p.hidden / 32)) << sp.describe();
+  EXPECT_TRUE(c.w13_scale_2.empty());
+  EXPECT_NO_THROW(io::nvfp4_equivalent(p, c.weights())) << sp.describe();
+  const Outcome ref = reference_outcome(c, reference_tokens(sp, c));
+  EXPECT_FALSE(ref.refused) << ref.message;
+  EXPECT_EQ(check_outcome(c, reference_tokens(sp, c), ref, ref, false), "") << sp.describe();
+  EXPECT_NE(sp.describe().find("weights=mxfp4"), std::string::npos);
 }
 
 TEST(SoakProblems, CasesHoldTheirPoisonedTokensAndInvalidIds) {

@@ -106,6 +106,44 @@ TEST(TuneCache, ProblemKeyHoldsWhatChangesTheWorkOnly) {
   EXPECT_NE(problem_key(a), problem_key(b));
   EXPECT_THAT(problem_key(preset("llama4-scout")), HasSubstr("routing=llama4(weight_on_input)"));
   EXPECT_THAT(problem_key(preset("gpt-oss-120b")), HasSubstr("act=swiglu_oai"));
+  // The weight format: MXFP4 keys say so, NVFP4 keys are what they were before the field.
+  EXPECT_EQ(problem_key(preset("gpt-oss-120b")),
+            "E=128 H=2880 I=2880 k=4 routing=renormalize act=swiglu_oai quant=w4a16 weights=mxfp4");
+  EXPECT_EQ(problem_key(preset("gpt-oss-120b-nvfp4")), "E=128 H=2880 I=2880 k=4 routing=renormalize act=swiglu_oai quant=w4a16");
+}
+
+// MXFP4 and NVFP4 problems of the same shape are tuned apart; the format survives a save and load; an
+// entry without the field (every file written before it) reads as NVFP4.
+TEST(TuneCache, WeightFormatIsPartOfTheKey) {
+  const MoeProblem mx = preset("gpt-oss-20b"), nv = [] {
+    MoeProblem p = preset("gpt-oss-20b");
+    p.weight_format = WeightFormat::NVFP4;
+    return p;
+  }();
+  TuneCache c;
+  c.set(h200(), mx, 3, kWgmma256, 10, 12);
+  c.set(h200(), nv, 3, kStream4, 9, 12);
+  EXPECT_EQ(c.entries().size(), 2u);
+  EXPECT_EQ(c.lookup(h200(), mx, 3), kWgmma256);
+  EXPECT_EQ(c.lookup(h200(), nv, 3), kStream4);
+  const std::string path = temp_path("formats.json");
+  c.save(path);
+  const std::string text = read_file(path);
+  EXPECT_THAT(text, HasSubstr(R"("weight_format": "mxfp4")"));
+  EXPECT_EQ(text.find(R"("weight_format": "nvfp4")"), std::string::npos);  // NVFP4 entries as before
+  TuneCache back;
+  const CacheLoadResult r = back.load(path);
+  EXPECT_EQ(r.entries_loaded, 2u);
+  EXPECT_EQ(back.lookup(h200(), mx, 3), kWgmma256);
+  EXPECT_EQ(back.lookup(h200(), nv, 3), kStream4);
+  // An old file's entry (no weight_format) is NVFP4: the MXFP4 problem finds nothing in it.
+  TuneCache old;
+  old.set(h200(), nv, 5, kStream4, 9, 12);
+  old.save(path);
+  TuneCache old_back;
+  old_back.load(path);
+  EXPECT_EQ(old_back.lookup(h200(), nv, 5), kStream4);
+  EXPECT_FALSE(old_back.lookup(h200(), mx, 5).has_value());
 }
 
 TEST(TuneCache, SetReplacesTheSameKeyAndRefusesInvalidTactics) {

@@ -167,7 +167,9 @@ TEST(Registry, WhyInvalidNamesTheRule) {
 
 TEST(Registry, HeuristicIsValidForEveryBucketOfEveryPreset) {
   std::vector<MoeProblem> problems;
-  for (const std::string& name : preset_names()) problems.push_back(preset(name, ActQuant::W4A4Scalar));
+  for (const std::string& name : preset_names())
+    problems.push_back(preset(name, preset_weight_format(name) == WeightFormat::MXFP4 ? ActQuant::W4A16
+                                                                                     : ActQuant::W4A4Scalar));
   problems.push_back(problem(4, 16, 16, 1));  // the smallest shape the runner accepts
   problems.push_back(problem(16, 1024, 384, 2));
   for (const MoeProblem& p : problems) {
