@@ -1,7 +1,11 @@
-// fuzz/make_seeds.cpp — writes the seed corpus of safetensors_fuzz (fuzz/corpus/safetensors/).
+// fuzz/make_seeds.cpp — writes the seed corpora of safetensors_fuzz (fuzz/corpus/safetensors/) and
+// checkpoint_layer_fuzz (fuzz/corpus/checkpoint_layer/).
 //
 // The seeds are committed; this program documents how they were made and remakes them:
-//   fuzz_make_seeds DIR
+//   fuzz_make_seeds DIR [LAYER_DIR]
+// LAYER_DIR: one-file checkpoints as config.json, a NUL, model.safetensors, written by
+// io::write_fixture: gpt-oss MXFP4 (fused interleaved experts, biases, router bias), a copy with a ue8m0
+// code 255, one with a missing router bias, a truncated one, and a compressed-tensors NVFP4 Mixtral.
 // Steps: 1. valid files through io::write_safetensors (every dtype, scalars, empty tensors, metadata,
 // a ModelOpt-style NVFP4 expert projection); 2. truncated copies of a valid file (inside the length
 // prefix, the header and the data region); 3. headers crafted byte by byte that each break one rule
@@ -14,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "fp4moe/checkpoint.hpp"
 #include "fp4moe/safetensors.hpp"
 
 namespace {
@@ -47,13 +52,74 @@ std::vector<uint8_t> iota_u8(size_t n) {
   return v;
 }
 
+// config.json + NUL + model.safetensors of a one-shard fixture, the safetensors optionally edited.
+std::string checkpoint_seed(const std::filesystem::path& scratch, const FixtureOptions& o,
+                            void (*edit)(std::vector<TensorData>&) = nullptr) {
+  std::filesystem::remove_all(scratch);
+  write_fixture(scratch.string(), o);
+  const std::string weights = (scratch / "model.safetensors").string();
+  if (edit) {
+    std::vector<TensorData> ts;
+    {
+      const SafetensorsFile f = SafetensorsFile::open(weights);
+      for (const auto& [name, t] : f.tensors()) {
+        TensorData d{name, t.dtype, t.shape, {}};
+        d.bytes.assign(t.data.begin(), t.data.end());
+        ts.push_back(std::move(d));
+      }
+    }
+    edit(ts);
+    write_safetensors(weights, ts, {{"format", "pt"}});
+  }
+  std::string out = read_all(scratch / "config.json");
+  out.push_back('\0');
+  out += read_all(weights);
+  std::filesystem::remove_all(scratch);
+  return out;
+}
+
+void write_layer_seeds(const std::filesystem::path& dir) {
+  std::filesystem::create_directories(dir);
+  const std::filesystem::path scratch = dir / "scratch.tmp";
+  FixtureOptions g;
+  g.format = CheckpointFormat::Mxfp4;
+  g.family = ModelFamily::GptOss;
+  g.num_layers = 2;
+  g.num_experts = 2;
+  g.hidden = 32;
+  g.inter = 64;  // two 32-blocks: tensor-parallel rank 1 of 2 exists
+  g.top_k = 1;
+  g.num_shards = 1;
+  const std::string gpt_oss = checkpoint_seed(scratch, g);
+  write_bytes(dir / "gpt_oss_mxfp4.ckpt", gpt_oss);
+  write_bytes(dir / "gpt_oss_nan_scale.ckpt", checkpoint_seed(scratch, g, [](std::vector<TensorData>& ts) {
+                for (auto& t : ts)
+                  if (t.name == "model.layers.1.mlp.experts.down_proj_scales") t.bytes[3] = std::byte{0xFF};
+              }));
+  write_bytes(dir / "gpt_oss_no_router_bias.ckpt", checkpoint_seed(scratch, g, [](std::vector<TensorData>& ts) {
+                std::erase_if(ts, [](const TensorData& t) { return t.name == "model.layers.0.mlp.router.bias"; });
+              }));
+  write_bytes(dir / "gpt_oss_truncated.ckpt", gpt_oss.substr(0, gpt_oss.size() - 100));
+  FixtureOptions m;
+  m.format = CheckpointFormat::CompressedTensors;
+  m.family = ModelFamily::Mixtral;
+  m.num_layers = 1;
+  m.num_experts = 2;
+  m.hidden = 16;
+  m.inter = 16;
+  m.top_k = 1;
+  m.num_shards = 1;
+  write_bytes(dir / "mixtral_compressed_tensors.ckpt", checkpoint_seed(scratch, m));
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc != 2) {
-    std::fprintf(stderr, "usage: %s DIR\n", argv[0]);
+  if (argc != 2 && argc != 3) {
+    std::fprintf(stderr, "usage: %s DIR [LAYER_DIR]\n", argv[0]);
     return 2;
   }
+  if (argc == 3) write_layer_seeds(argv[2]);
   const std::filesystem::path dir = argv[1];
   std::filesystem::create_directories(dir);
   auto path = [&](const char* name) { return (dir / name).string(); };

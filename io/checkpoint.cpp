@@ -12,6 +12,10 @@
 // w13 under one scale_2 (policy of LoadOptions), keeping only this tensor-parallel rank's columns of I
 // (rows of gate / up, columns of down: io::tensor_parallel_range), so that a rank never holds more
 // than its share; (5) read the router weight (bf16 [E, H]) and the DeepSeek score-correction bias.
+// gpt_oss (MXFP4, load_gpt_oss_layer): the six fused expert tensors of the layer, dtype and shape
+// checked, the local experts' ue8m0 codes checked (no 255), the interleaved gate/up rows (and bias)
+// de-interleaved into [gate; up] while copying this rank's rows / columns; the biases widened to
+// fp32; then the router weight and its bias.
 // Shards are opened lazily and only once; every error names the file and the tensor.
 #include <algorithm>
 #include <bit>
@@ -122,11 +126,22 @@ struct Checkpoint::Impl {
     return v;
   }
 
+  // The router weight `name`, bf16 [E, H], each element finite, into w.router_weight.
+  void read_router(const std::string& name, int64_t E, int64_t H, MoeLayerWeights& w) const {
+    const TensorView& r = tensor(name, DType::BF16, {E, H}, "[E, H] from config.json");
+    w.router_weight.resize(E * H);
+    std::memcpy(w.router_weight.data(), r.data.data(), r.data.size());
+    for (int64_t i = 0; i < E * H; ++i)
+      check((w.router_weight[i] & 0x7F80) != 0x7F80, file_of(name), ": tensor '", name, "': element ", i,
+            " is not finite");
+  }
+
   std::string layer_prefix(int64_t layer) const {
     const std::string l = std::to_string(layer);
     switch (config.family) {
       case ModelFamily::DeepSeekV3:
-      case ModelFamily::Qwen3Moe: return "model.layers." + l + ".mlp";
+      case ModelFamily::Qwen3Moe:
+      case ModelFamily::GptOss: return "model.layers." + l + ".mlp";
       case ModelFamily::Llama4:
         return (language_model_prefix ? "language_model.model.layers." : "model.layers.") + l + ".feed_forward";
       case ModelFamily::Mixtral: return "model.layers." + l + ".block_sparse_moe";
@@ -134,7 +149,8 @@ struct Checkpoint::Impl {
     return {};
   }
   std::string router_name(int64_t layer) const {
-    return layer_prefix(layer) + (config.family == ModelFamily::Llama4 ? ".router.weight" : ".gate.weight");
+    const bool router = config.family == ModelFamily::Llama4 || config.family == ModelFamily::GptOss;
+    return layer_prefix(layer) + (router ? ".router.weight" : ".gate.weight");
   }
 };
 
@@ -247,6 +263,104 @@ void rescale_blocks(uint8_t* scales, int64_t n, float from, float to, ScaleFusio
   }
 }
 
+
+// A bias or router bias: BF16 (as published) or F32 values of `shape`, widened to fp32, each finite.
+std::vector<float> read_floats(const Checkpoint::Impl& ck, const std::string& name, const std::vector<int64_t>& shape,
+                               const char* why) {
+  const TensorView& t = ck.tensor(name);
+  check(t.dtype == DType::BF16 || t.dtype == DType::F32, ck.file_of(name), ": tensor '", name,
+        "': expected dtype BF16 or F32, got ", to_string(t.dtype));
+  check(t.shape == shape, ck.file_of(name), ": tensor '", name, "': expected shape ", shape_string(shape), " (", why,
+        "), got ", shape_string(t.shape));
+  const int64_t n = t.numel();
+  std::vector<float> v(static_cast<size_t>(n));
+  if (t.dtype == DType::F32) {
+    std::memcpy(v.data(), t.data.data(), size_t(n) * 4);
+  } else {
+    for (int64_t i = 0; i < n; ++i) {
+      uint16_t b;
+      std::memcpy(&b, t.data.data() + 2 * i, 2);
+      v[size_t(i)] = format::bf16_to_float(b);
+    }
+  }
+  for (int64_t i = 0; i < n; ++i)
+    check(std::isfinite(v[size_t(i)]), ck.file_of(name), ": tensor '", name, "': element ", i, " is not finite (",
+          v[size_t(i)], ")");
+  return v;
+}
+
+// Refuses a ue8m0 NaN code (255) among the scales [E, rows, blocks] of experts [begin, end).
+void check_ue8m0_codes(const Checkpoint::Impl& ck, const std::string& name, const TensorView& t, int64_t rows,
+                       int64_t blocks, int64_t begin, int64_t end) {
+  const auto* p = reinterpret_cast<const uint8_t*>(t.data.data());
+  const int64_t per_expert = rows * blocks;
+  const int64_t i = format::find_ue8m0_nan(p + begin * per_expert, (end - begin) * per_expert);
+  if (i < 0) return;
+  const int64_t e = begin + i / per_expert, r = (i % per_expert) / blocks, b = i % blocks;
+  throw Error(detail::concat(ck.file_of(name), ": tensor '", name, "': expert ", e, " row ", r, " block ", b,
+                             " has ue8m0 code 255 (NaN), which is not a scale"));
+}
+
+// gpt-oss: one layer's fused MXFP4 experts (see checkpoint.hpp for the layout).
+void load_gpt_oss_experts(const Checkpoint::Impl& ck, int64_t layer, const std::string& prefix, int tp_rank,
+                          MoeLayerWeights& w) {
+  const CheckpointConfig& cfg = ck.config;
+  const int64_t E = cfg.problem.num_experts, H = cfg.problem.hidden, I = cfg.problem.inter;
+  const int64_t begin = w.expert_begin, end = w.expert_end, ib = w.inter_begin, ie = w.inter_end, part = ie - ib;
+  const std::string experts = prefix + ".experts";
+  {  // experts left unconverted are bf16, not MXFP4 (transformers matches these names as prefixes)
+    const std::string where = "quantization_config.modules_to_not_convert of config.json";
+    const ExcludedModules excluded(cfg.excluded_modules, ck.dir + ": " + where);
+    for (std::string module = experts;;) {
+      const std::string pattern = excluded.pattern_of(module);
+      check(pattern.empty(), ck.dir, ": layer ", layer, ": expert module '", experts,
+            "' is excluded from quantization by '", pattern, "' (", where, "); fp4moe runs MXFP4 experts only");
+      const size_t dot = module.rfind('.');
+      if (dot == std::string::npos) break;
+      module.resize(dot);
+    }
+  }
+  const std::string gu = experts + ".gate_up_proj", dn = experts + ".down_proj";
+  const std::string why13 = detail::concat("[E, 2I, H/32, 16] = [", E, ", ", 2 * I, ", ", H / 32,
+                                           ", 16] from config.json, gate and up rows interleaved");
+  const std::string whys13 = detail::concat("[E, 2I, H/32] = [", E, ", ", 2 * I, ", ", H / 32, "] from config.json");
+  const std::string why2 = detail::concat("[E, H, I/32, 16] = [", E, ", ", H, ", ", I / 32, ", 16] from config.json");
+  const std::string whys2 = detail::concat("[E, H, I/32] = [", E, ", ", H, ", ", I / 32, "] from config.json");
+  const TensorView& b13 = ck.tensor(gu + "_blocks", DType::U8, {E, 2 * I, H / 32, 16}, why13.c_str());
+  const TensorView& s13 = ck.tensor(gu + "_scales", DType::U8, {E, 2 * I, H / 32}, whys13.c_str());
+  const TensorView& b2 = ck.tensor(dn + "_blocks", DType::U8, {E, H, I / 32, 16}, why2.c_str());
+  const TensorView& s2 = ck.tensor(dn + "_scales", DType::U8, {E, H, I / 32}, whys2.c_str());
+  check_ue8m0_codes(ck, gu + "_scales", s13, 2 * I, H / 32, begin, end);
+  check_ue8m0_codes(ck, dn + "_scales", s2, H, I / 32, begin, end);
+  const std::vector<float> bias13 = read_floats(ck, gu + "_bias", {E, 2 * I}, "[E, 2I] from config.json");
+  const std::vector<float> bias2 = read_floats(ck, dn + "_bias", {E, H}, "[E, H] from config.json");
+
+  const auto* pb13 = reinterpret_cast<const uint8_t*>(b13.data.data());
+  const auto* ps13 = reinterpret_cast<const uint8_t*>(s13.data.data());
+  const int64_t row_w = H / 2, row_s = H / 32;  // bytes of one w13 row: packed codes, scales
+  for (int64_t e = begin; e < end; ++e) {
+    const int64_t l = e - begin;
+    uint8_t* w13 = w.w13.data() + l * 2 * part * row_w;
+    uint8_t* sc13 = w.w13_scale.data() + l * 2 * part * row_s;
+    float* bs13 = w.w13_bias.data() + l * 2 * part;
+    for (int64_t j = 0; j < part; ++j) {
+      for (int64_t half = 0; half < 2; ++half) {  // 0: gate (file row 2i), 1: up (file row 2i + 1)
+        const int64_t src = e * 2 * I + 2 * (ib + j) + half, dst = half * part + j;
+        std::memcpy(w13 + dst * row_w, pb13 + src * row_w, size_t(row_w));
+        std::memcpy(sc13 + dst * row_s, ps13 + src * row_s, size_t(row_s));
+        bs13[dst] = bias13[size_t(src)];
+      }
+    }
+    // down [H, I]: the columns [ib, ie) of every row (whole 32-blocks).
+    copy_block(b2, I / 2, e * H, (e + 1) * H, ib / 2, ie / 2, w.w2.data() + l * H * (part / 2));
+    copy_block(s2, I / 32, e * H, (e + 1) * H, ib / 32, ie / 32, w.w2_scale.data() + l * H * (part / 32));
+  }
+  if (tp_rank == 0)  // added once per output: with tensor-parallel rank 0
+    w.w2_bias.assign(bias2.begin() + begin * H, bias2.begin() + end * H);
+  else
+    w.w2_bias.clear();
+}
+
 }  // namespace
 
 std::pair<int64_t, int64_t> expert_range(int64_t num_experts, int rank, int size) {
@@ -334,8 +448,28 @@ MoeLayerWeights Checkpoint::load_layer(int64_t layer, const LoadOptions& options
   check(reason.empty(), ck.dir, ": layer ", layer, " is ", reason, ": it has no routed experts");
   const int64_t E = cfg.problem.num_experts, H = cfg.problem.hidden, I = cfg.problem.inter;
   const auto [begin, end] = expert_range(E, options.ep_rank, options.ep_size);
-  const auto [inter_begin, inter_end] = tensor_parallel_range(I, options.tp_rank, options.tp_size);
+  const auto [inter_begin, inter_end] =
+      tensor_parallel_range(I, options.tp_rank, options.tp_size, cfg.problem.weight_block());
   const std::string prefix = ck.layer_prefix(layer);
+  if (cfg.family == ModelFamily::GptOss) {
+    MoeLayerWeights w;
+    w.layer = layer;
+    w.total_experts = E;
+    w.expert_begin = begin;
+    w.expert_end = end;
+    w.problem = cfg.problem;
+    w.problem.num_experts = end - begin;
+    w.problem.inter = inter_end - inter_begin;
+    w.total_inter = I;
+    w.inter_begin = inter_begin;
+    w.inter_end = inter_end;
+    w.allocate_experts(true);
+    load_gpt_oss_experts(ck, layer, prefix, options.tp_rank, w);
+    const std::string rname = ck.router_name(layer);
+    ck.read_router(rname, E, H, w);
+    w.router_bias = read_floats(ck, prefix + ".router.bias", {E}, "[E] from config.json");
+    return w;
+  }
 
   // (2) the expert ids present in the checkpoint
   const std::string experts = prefix + ".experts.";
@@ -435,12 +569,7 @@ MoeLayerWeights Checkpoint::load_layer(int64_t layer, const LoadOptions& options
 
   // (5) router and bias
   const std::string rname = ck.router_name(layer);
-  const TensorView& r = ck.tensor(rname, DType::BF16, {E, H}, "[E, H] from config.json");
-  w.router_weight.resize(E * H);
-  std::memcpy(w.router_weight.data(), r.data.data(), r.data.size());
-  for (int64_t i = 0; i < E * H; ++i)
-    check((w.router_weight[i] & 0x7F80) != 0x7F80, ck.file_of(rname), ": tensor '", rname, "': element ", i,
-          " is not finite");
+  ck.read_router(rname, E, H, w);
   if (cfg.family == ModelFamily::DeepSeekV3) {
     const std::string bname = prefix + ".gate.e_score_correction_bias";
     const TensorView& b = ck.tensor(bname);
@@ -467,29 +596,41 @@ MoeLayerWeights Checkpoint::load_layer(int64_t layer, const LoadOptions& options
 
 // ---- MoeLayerWeights ------------------------------------------------------------------------------
 
-void MoeLayerWeights::allocate_experts() {
-  const int64_t E = problem.num_experts, H = problem.hidden, I = problem.inter;
-  w13.assign(E * 2 * I * (H / 2), 0);
-  w13_scale.assign(E * 2 * I * (H / 16), 0);
+void MoeLayerWeights::allocate_experts(bool biases) {
+  const int64_t E = problem.num_experts, H = problem.hidden, I = problem.inter, blk = problem.weight_block();
+  const int64_t n13 = problem.w13_rows();
+  w13.assign(E * n13 * (H / 2), 0);
+  w13_scale.assign(E * n13 * (H / blk), 0);
   w2.assign(E * H * (I / 2), 0);
-  w2_scale.assign(E * H * (I / 16), 0);
-  w13_scale_2.assign(E, 0.0f);
-  w13_input_scale.assign(E, 0.0f);
-  w2_scale_2.assign(E, 0.0f);
-  w2_input_scale.assign(E, 0.0f);
+  w2_scale.assign(E * H * (I / blk), 0);
+  const size_t scalars = problem.weight_format == WeightFormat::MXFP4 ? 0 : size_t(E);  // MXFP4: no [E] scales
+  w13_scale_2.assign(scalars, 0.0f);
+  w13_input_scale.assign(scalars, 0.0f);
+  w2_scale_2.assign(scalars, 0.0f);
+  w2_input_scale.assign(scalars, 0.0f);
+  if (biases) {
+    w13_bias.assign(E * n13, 0.0f);
+    w2_bias.assign(E * H, 0.0f);
+  } else {
+    w13_bias.clear();
+    w2_bias.clear();
+  }
 }
 
 reference::MoeWeights MoeLayerWeights::weights() const {
+  auto ptr = [](const auto& v) { return v.empty() ? nullptr : v.data(); };
   reference::MoeWeights v;
   v.w13 = w13.data();
   v.w13_scale = w13_scale.data();
-  v.w13_scale_2 = w13_scale_2.data();
-  v.w13_input_scale = w13_input_scale.data();
+  v.w13_scale_2 = ptr(w13_scale_2);
+  v.w13_input_scale = ptr(w13_input_scale);
   v.w2 = w2.data();
   v.w2_scale = w2_scale.data();
-  v.w2_scale_2 = w2_scale_2.data();
-  v.w2_input_scale = w2_input_scale.data();
+  v.w2_scale_2 = ptr(w2_scale_2);
+  v.w2_input_scale = ptr(w2_input_scale);
   v.w13_input_scale_max = w13_input_scale_max;
+  v.w13_bias = ptr(w13_bias);
+  v.w2_bias = ptr(w2_bias);
   return v;
 }
 
@@ -498,6 +639,8 @@ std::vector<float> MoeLayerWeights::router_logits(const uint16_t* hidden, int64_
   check(num_tokens >= 0, "router_logits: num_tokens must be >= 0, got ", num_tokens);
   check(static_cast<int64_t>(router_weight.size()) == E * H, "router_logits: router weight has ",
         router_weight.size(), " elements, expected E*H = ", E * H);
+  check(router_bias.empty() || static_cast<int64_t>(router_bias.size()) == E, "router_logits: router bias has ",
+        router_bias.size(), " elements, expected E = ", E);
   std::vector<float> w(router_weight.size());
   for (size_t i = 0; i < w.size(); ++i) w[i] = format::bf16_to_float(router_weight[i]);
   std::vector<float> x(H), logits(num_tokens * E);
@@ -507,6 +650,7 @@ std::vector<float> MoeLayerWeights::router_logits(const uint16_t* hidden, int64_
       const float* row = w.data() + e * H;
       float acc = 0.0f;
       for (int64_t h = 0; h < H; ++h) acc += x[h] * row[h];
+      if (!router_bias.empty()) acc += router_bias[e];
       logits[t * E + e] = acc;
     }
   }
@@ -532,6 +676,8 @@ MoeCase MoeLayerWeights::to_case(std::vector<uint16_t> hidden_states, int64_t nu
   c.w2_scale = w2_scale;
   c.w2_scale_2 = w2_scale_2;
   c.w2_input_scale = w2_input_scale;
+  c.w13_bias = w13_bias;
+  c.w2_bias = w2_bias;
   return c;
 }
 

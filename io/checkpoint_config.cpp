@@ -21,7 +21,12 @@ namespace fp4moe::io {
 using json = nlohmann::json;
 
 std::string_view to_string(CheckpointFormat f) {
-  return f == CheckpointFormat::ModelOpt ? "modelopt" : "compressed-tensors";
+  switch (f) {
+    case CheckpointFormat::ModelOpt: return "modelopt";
+    case CheckpointFormat::CompressedTensors: return "compressed-tensors";
+    case CheckpointFormat::Mxfp4: return "mxfp4";
+  }
+  return "?";
 }
 
 std::string_view to_string(ModelFamily f) {
@@ -30,6 +35,7 @@ std::string_view to_string(ModelFamily f) {
     case ModelFamily::Qwen3Moe: return "qwen3_moe";
     case ModelFamily::Llama4: return "llama4";
     case ModelFamily::Mixtral: return "mixtral";
+    case ModelFamily::GptOss: return "gpt_oss";
   }
   return "?";
 }
@@ -41,7 +47,8 @@ std::string_view to_string(ScaleFusionPolicy p) {
 CheckpointFormat parse_checkpoint_format(std::string_view name) {
   if (name == "modelopt") return CheckpointFormat::ModelOpt;
   if (name == "compressed-tensors" || name == "compressed_tensors") return CheckpointFormat::CompressedTensors;
-  throw Error("checkpoint format must be one of modelopt, compressed-tensors; got '" + std::string(name) + "'");
+  if (name == "mxfp4") return CheckpointFormat::Mxfp4;
+  throw Error("checkpoint format must be one of modelopt, compressed-tensors, mxfp4; got '" + std::string(name) + "'");
 }
 
 ModelFamily parse_model_family(std::string_view name) {
@@ -49,7 +56,8 @@ ModelFamily parse_model_family(std::string_view name) {
   if (name == "qwen3_moe" || name == "qwen3") return ModelFamily::Qwen3Moe;
   if (name == "llama4" || name == "llama4_text") return ModelFamily::Llama4;
   if (name == "mixtral") return ModelFamily::Mixtral;
-  throw Error("model family must be one of deepseek_v3 (deepseek), qwen3_moe (qwen3), llama4, mixtral; got '" +
+  if (name == "gpt_oss" || name == "gpt-oss") return ModelFamily::GptOss;
+  throw Error("model family must be one of deepseek_v3 (deepseek), qwen3_moe (qwen3), llama4, mixtral, gpt_oss; got '" +
               std::string(name) + "'");
 }
 
@@ -64,7 +72,7 @@ constexpr ModelTypeRow kModelTypes[] = {
     {"kimi_k2", ModelFamily::DeepSeekV3},      {"glm4_moe", ModelFamily::DeepSeekV3},
     {"qwen3_moe", ModelFamily::Qwen3Moe},      {"qwen3_next", ModelFamily::Qwen3Moe},
     {"llama4", ModelFamily::Llama4},           {"llama4_text", ModelFamily::Llama4},
-    {"mixtral", ModelFamily::Mixtral},
+    {"mixtral", ModelFamily::Mixtral},         {"gpt_oss", ModelFamily::GptOss},
 };
 }  // namespace
 
@@ -110,6 +118,7 @@ std::string CheckpointConfig::dense_reason(int64_t layer) const {
         return detail::concat("dense (interleave_moe_layer_step=", moe_layer_freq, ")");
       return {};
     case ModelFamily::Mixtral:
+    case ModelFamily::GptOss:
       return {};
   }
   return {};
@@ -275,6 +284,15 @@ void read_compressed_tensors(const Reader& q, CheckpointConfig& cfg) {
   cfg.problem.act_quant = weight_only == 1 ? ActQuant::W4A16 : ActQuant::W4A4Scalar;
 }
 
+// gpt-oss (transformers' Mxfp4Config): {"quant_method": "mxfp4", "modules_to_not_convert": [...]}. The
+// experts' weights are MXFP4 blocks and ue8m0 scales; the activations stay bf16.
+void read_mxfp4(const Reader& q, CheckpointConfig& cfg) {
+  cfg.format = CheckpointFormat::Mxfp4;
+  cfg.excluded_modules = q.strings_or_empty("modules_to_not_convert");
+  cfg.problem.act_quant = ActQuant::W4A16;
+  cfg.problem.weight_format = WeightFormat::MXFP4;
+}
+
 }  // namespace
 
 CheckpointConfig parse_checkpoint_config(std::string_view config_json, std::string_view quant_config_json,
@@ -300,9 +318,11 @@ CheckpointConfig parse_checkpoint_config(std::string_view config_json, std::stri
       read_compressed_tensors(q, cfg);
     } else if (method == "modelopt") {
       read_modelopt(q.has("quantization") ? q.child("quantization") : q, cfg);
+    } else if (method == "mxfp4") {
+      read_mxfp4(q, cfg);
     } else {
-      throw Error(detail::concat(config_file, ": 'quantization_config.quant_method' must be \"modelopt\" or "
-                                              "\"compressed-tensors\", got \"", method, "\""));
+      throw Error(detail::concat(config_file, ": 'quantization_config.quant_method' must be \"modelopt\", "
+                                              "\"compressed-tensors\" or \"mxfp4\", got \"", method, "\""));
     }
   }
 
@@ -313,6 +333,15 @@ CheckpointConfig parse_checkpoint_config(std::string_view config_json, std::stri
   } catch (const Error& e) {
     throw Error(detail::concat(config_file, ": 'model_type': ", e.what()));
   }
+  // The MXFP4 layout (fused expert blocks and scales) is gpt-oss's, and gpt-oss's experts are read in
+  // that layout only.
+  const bool mxfp4 = cfg.format == CheckpointFormat::Mxfp4;
+  check(mxfp4 == (cfg.family == ModelFamily::GptOss), config_file,
+        mxfp4 ? detail::concat(": quant_method \"mxfp4\" is loaded for model_type \"gpt_oss\" only (the gpt-oss "
+                               "expert layout), got model_type \"", cfg.model_type, "\"")
+              : detail::concat(": model_type \"gpt_oss\" is loaded from its MXFP4 layout only "
+                               "(quantization_config.quant_method \"mxfp4\"), got a ", to_string(cfg.format),
+                               " description"));
   const json* text = &root;
   std::string text_path;
   if (cfg.model_type == "llama4" && top.has("text_config")) {
@@ -336,8 +365,10 @@ CheckpointConfig parse_checkpoint_config(std::string_view config_json, std::stri
   const char* inter_key = c.has("moe_intermediate_size") ? "moe_intermediate_size" : "intermediate_size";
   if (cfg.family == ModelFamily::Llama4 && c.has("intermediate_size")) inter_key = "intermediate_size";
   p.inter = c.integer(inter_key, 1, kMaxSize);
+  const char* top_k_key =
+      cfg.family == ModelFamily::GptOss && !c.has("num_experts_per_tok") ? "experts_per_token" : "num_experts_per_tok";
   p.routing.top_k = static_cast<int>(
-      c.integer_or("num_experts_per_tok", cfg.family == ModelFamily::Llama4 ? 1 : -1, 1, kMaxExperts));
+      c.integer_or(top_k_key, cfg.family == ModelFamily::Llama4 ? 1 : -1, 1, kMaxExperts));
   check(p.routing.top_k >= 1, config_file, ": missing required key '", text_path, "num_experts_per_tok'");
   const std::string act = c.string_or("hidden_act", "silu");
   check(act == "silu", config_file, ": '", text_path, "hidden_act' must be \"silu\" (swiglu experts), got \"", act,
@@ -383,6 +414,21 @@ CheckpointConfig parse_checkpoint_config(std::string_view config_json, std::stri
     case ModelFamily::Mixtral:
       p.routing.method = RoutingMethod::Renormalize;
       break;
+    case ModelFamily::GptOss: {
+      // transformers' GptOssTopKRouter: top-k of the logits (x . W^T + b), softmax over the k. The
+      // experts: gate' = min(gate, limit), up' = clamp(up, -limit, limit),
+      // gate' * sigmoid(1.702 gate') * (up' + 1); alpha 1.702 is fixed by the model, limit is
+      // config.json's swiglu_limit.
+      p.routing.method = RoutingMethod::Renormalize;
+      p.activation.kind = Activation::SwiGLUOai;
+      p.activation.swiglu_alpha = 1.702f;
+      p.activation.swiglu_beta = 1.0f;
+      const double limit = c.number_or("swiglu_limit", 7.0);
+      check(limit > 0 && limit < 1e30, config_file, ": '", text_path, "swiglu_limit' must be in (0, 1e30), got ",
+            limit);
+      p.activation.swiglu_limit = static_cast<float>(limit);
+      break;
+    }
   }
   try {
     p.validate();

@@ -9,6 +9,9 @@
 // shards with model.safetensors.index.json (or one model.safetensors). compressed-tensors stores
 // g = 1 / s; the expected layer holds 1.0f / g, which the weights are quantized with, so the loader's
 // inversion reproduces it exactly. The expected canonical layer is assembled from the same values.
+// gpt_oss (write_gpt_oss): config.json with an mxfp4 quantization_config; per layer random e2m1 codes
+// and ue8m0 scales (118..122) written in the published fused layout with gate and up rows interleaved,
+// bf16 biases and router; the expected layer holds the same bytes de-interleaved into [gate; up].
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
@@ -140,6 +143,8 @@ json family_config(const FixtureOptions& o) {
       c["num_local_experts"] = o.num_experts;
       c["intermediate_size"] = o.inter;
       break;
+    case ModelFamily::GptOss:  // write_gpt_oss writes its own config
+      break;
   }
   return c;
 }
@@ -151,9 +156,118 @@ void write_text(const fs::path& p, const std::string& s) {
   check(f.good(), p.string(), ": write failed");
 }
 
+// The tensors round-robin into num_shards shards with model.safetensors.index.json (or, with one
+// shard, one model.safetensors without index).
+void write_shards(const std::string& dir, std::vector<TensorData>& tensors, int num_shards) {
+  const std::map<std::string, std::string> meta{{"format", "pt"}};
+  if (num_shards == 1) {
+    write_safetensors((fs::path(dir) / "model.safetensors").string(), tensors, meta);
+    return;
+  }
+  std::vector<std::vector<TensorData>> shards(num_shards);
+  json weight_map = json::object();
+  char name[64];
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const int s = static_cast<int>(i % num_shards);
+    std::snprintf(name, sizeof name, "model-%05d-of-%05d.safetensors", s + 1, num_shards);
+    weight_map[tensors[i].name] = name;
+    shards[s].push_back(std::move(tensors[i]));
+  }
+  for (int s = 0; s < num_shards; ++s) {
+    std::snprintf(name, sizeof name, "model-%05d-of-%05d.safetensors", s + 1, num_shards);
+    write_safetensors((fs::path(dir) / name).string(), shards[s], meta);
+  }
+  json index = {{"metadata", {{"total_size", 0}}}, {"weight_map", weight_map}};
+  write_text(fs::path(dir) / "model.safetensors.index.json", index.dump(2));
+}
+
+// gpt-oss in its published MXFP4 layout (checkpoint.hpp).
+Fixture write_gpt_oss(const std::string& dir, const FixtureOptions& o) {
+  check(o.format == CheckpointFormat::Mxfp4 && o.family == ModelFamily::GptOss,
+        "write_fixture: the mxfp4 format and the gpt_oss family go together, got ", to_string(o.format), " / ",
+        to_string(o.family));
+  check(o.hidden % 32 == 0 && o.inter % 32 == 0, "write_fixture: gpt_oss needs H and I multiples of 32, got H ",
+        o.hidden, ", I ", o.inter);
+  check(o.model_type.empty() || o.model_type == "gpt_oss", "write_fixture: model_type '", o.model_type,
+        "' is not of family gpt_oss");
+  const int64_t E = o.num_experts, H = o.hidden, I = o.inter;
+  fs::create_directories(dir);
+  json modules = {"model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"};
+  for (const std::string& m : o.excluded_modules)
+    if (std::find(modules.begin(), modules.end(), m) == modules.end()) modules.push_back(m);
+  json config = {{"architectures", {"GptOssForCausalLM"}},
+                 {"model_type", "gpt_oss"},
+                 {"hidden_size", H},
+                 {"intermediate_size", I},
+                 {"num_hidden_layers", o.num_layers},
+                 {"num_local_experts", E},
+                 {"num_experts_per_tok", o.top_k},
+                 {"experts_per_token", o.top_k},
+                 {"hidden_act", "silu"},
+                 {"swiglu_limit", 7.0},
+                 {"head_dim", 64},
+                 {"num_attention_heads", 4},
+                 {"num_key_value_heads", 1},
+                 {"rms_norm_eps", 1e-05},
+                 {"quantization_config", {{"quant_method", "mxfp4"}, {"modules_to_not_convert", modules}}}};
+  write_text(fs::path(dir) / "config.json", config.dump(2));
+  Fixture fx;
+  fx.config = parse_checkpoint_config(config.dump(), "", dir);
+
+  Rng rng{o.seed * 0x2545F4914F6CDD1Dull + 13};
+  auto codes = [&](int64_t n, bool scales) {
+    std::vector<uint8_t> v(static_cast<size_t>(n));
+    for (auto& b : v) b = scales ? static_cast<uint8_t>(118 + rng.next() % 5) : static_cast<uint8_t>(rng.next());
+    return v;
+  };
+  std::vector<TensorData> tensors;
+  tensors.push_back(make_tensor("model.norm.weight", DType::BF16, {H}, to_bf16(normals(rng, H, 1.0f))));
+  for (int64_t L = 0; L < o.num_layers; ++L) {
+    const std::string lp = "model.layers." + std::to_string(L);
+    tensors.push_back(make_tensor(lp + ".post_attention_layernorm.weight", DType::BF16, {H},
+                                  to_bf16(normals(rng, H, 1.0f))));
+    MoeLayerWeights& w = fx.layers[L];
+    w.layer = L;
+    w.total_experts = E;
+    w.expert_end = E;
+    w.total_inter = I;
+    w.inter_end = I;
+    w.problem = fx.config.problem;
+    w.allocate_experts(true);
+    // The file's tensors: gate_up rows interleaved (2i gate i, 2i + 1 up i).
+    const std::vector<uint8_t> b13 = codes(E * 2 * I * (H / 2), false), s13 = codes(E * 2 * I * (H / 32), true);
+    const std::vector<uint8_t> b2 = codes(E * H * (I / 2), false), s2 = codes(E * H * (I / 32), true);
+    const std::vector<float> bias13 = normals(rng, E * 2 * I, 0.1f), bias2 = normals(rng, E * H, 0.02f);
+    for (int64_t e = 0; e < E; ++e)
+      for (int64_t r = 0; r < 2 * I; ++r) {
+        const int64_t src = e * 2 * I + r, dst = e * 2 * I + (r % 2) * I + r / 2;  // canonical [gate; up]
+        std::copy_n(b13.begin() + src * (H / 2), H / 2, w.w13.begin() + dst * (H / 2));
+        std::copy_n(s13.begin() + src * (H / 32), H / 32, w.w13_scale.begin() + dst * (H / 32));
+        w.w13_bias[size_t(dst)] = bias13[size_t(src)];
+      }
+    w.w2 = b2;
+    w.w2_scale = s2;
+    w.w2_bias = bias2;
+    w.router_weight = to_bf16(normals(rng, E * H, 0.1f));
+    w.router_bias = normals(rng, E, 0.1f);
+    const std::string mlp = lp + ".mlp";
+    tensors.push_back(make_tensor(mlp + ".experts.gate_up_proj_blocks", DType::U8, {E, 2 * I, H / 32, 16}, b13));
+    tensors.push_back(make_tensor(mlp + ".experts.gate_up_proj_scales", DType::U8, {E, 2 * I, H / 32}, s13));
+    tensors.push_back(make_tensor(mlp + ".experts.gate_up_proj_bias", DType::BF16, {E, 2 * I}, to_bf16(bias13)));
+    tensors.push_back(make_tensor(mlp + ".experts.down_proj_blocks", DType::U8, {E, H, I / 32, 16}, b2));
+    tensors.push_back(make_tensor(mlp + ".experts.down_proj_scales", DType::U8, {E, H, I / 32}, s2));
+    tensors.push_back(make_tensor(mlp + ".experts.down_proj_bias", DType::BF16, {E, H}, to_bf16(bias2)));
+    tensors.push_back(make_tensor(mlp + ".router.weight", DType::BF16, {E, H}, w.router_weight));
+    tensors.push_back(make_tensor(mlp + ".router.bias", DType::BF16, {E}, to_bf16(w.router_bias)));
+  }
+  write_shards(dir, tensors, o.num_shards);
+  return fx;
+}
+
 }  // namespace
 
 Fixture write_fixture(const std::string& dir, const FixtureOptions& o) {
+  if (o.family == ModelFamily::GptOss || o.format == CheckpointFormat::Mxfp4) return write_gpt_oss(dir, o);
   check(o.num_layers >= 1 && o.num_experts >= 1 && o.hidden >= 16 && o.hidden % 16 == 0 && o.inter >= 16 &&
             o.inter % 16 == 0 && o.num_shards >= 1,
         "write_fixture: bad sizes (layers ", o.num_layers, ", experts ", o.num_experts, ", H ", o.hidden, ", I ",
@@ -285,26 +399,7 @@ Fixture write_fixture(const std::string& dir, const FixtureOptions& o) {
   }
 
   // (3) shards
-  const std::map<std::string, std::string> meta{{"format", "pt"}};
-  if (o.num_shards == 1) {
-    write_safetensors((fs::path(dir) / "model.safetensors").string(), wr.tensors, meta);
-    return fx;
-  }
-  std::vector<std::vector<TensorData>> shards(o.num_shards);
-  json weight_map = json::object();
-  char name[64];
-  for (size_t i = 0; i < wr.tensors.size(); ++i) {
-    const int s = static_cast<int>(i % o.num_shards);
-    std::snprintf(name, sizeof name, "model-%05d-of-%05d.safetensors", s + 1, o.num_shards);
-    weight_map[wr.tensors[i].name] = name;
-    shards[s].push_back(std::move(wr.tensors[i]));
-  }
-  for (int s = 0; s < o.num_shards; ++s) {
-    std::snprintf(name, sizeof name, "model-%05d-of-%05d.safetensors", s + 1, o.num_shards);
-    write_safetensors((fs::path(dir) / name).string(), shards[s], meta);
-  }
-  json index = {{"metadata", {{"total_size", 0}}}, {"weight_map", weight_map}};
-  write_text(fs::path(dir) / "model.safetensors.index.json", index.dump(2));
+  write_shards(dir, wr.tensors, o.num_shards);
   return fx;
 }
 

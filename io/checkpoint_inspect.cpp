@@ -4,7 +4,8 @@
 // MoE layers of the config and load each one (all checks of load_layer), recording each failure and
 // the fusion report; (3) find shared experts by name; (4) scale statistics per tensor kind
 // (weight_scale e4m3 blocks, weight_scale_2 / input_scale, or the compressed-tensors global scales as
-// stored) over every tensor of that kind, each shard opened once; an unreadable shard is a problem.
+// stored; gpt-oss: the ue8m0 gate_up_proj_scales / down_proj_scales as 2^(c - 127), code 255 counted
+// non-finite) over every tensor of that kind, each shard opened once; an unreadable shard is a problem.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -25,7 +26,9 @@ bool ends_with(const std::string& s, const std::string& suffix) {
 }
 
 const char* kScaleKinds[] = {"weight_scale_2", "weight_global_scale", "input_global_scale", "input_scale",
-                             "weight_scale"};
+                             "weight_scale", "gate_up_proj_scales", "down_proj_scales"};
+
+bool is_ue8m0_kind(const std::string& kind) { return kind == "gate_up_proj_scales" || kind == "down_proj_scales"; }
 
 void add_value(ScaleStats& s, double v, bool negative) {
   ++s.count;
@@ -110,7 +113,9 @@ InspectReport inspect_checkpoint(const std::string& dir, int64_t max_layers) {
         ScaleStats& s = r.scale_stats[kind];
         ++s.tensors;
         const auto* p = reinterpret_cast<const uint8_t*>(t.data.data());
-        if (t.dtype == DType::F8_E4M3) {
+        if (is_ue8m0_kind(kind) && t.dtype == DType::U8) {
+          for (size_t i = 0; i < t.data.size(); ++i) add_value(s, format::ue8m0_to_float(p[i]), false);
+        } else if (t.dtype == DType::F8_E4M3) {
           for (size_t i = 0; i < t.data.size(); ++i)
             add_value(s, format::e4m3_to_float(p[i]), (p[i] & 0x80) != 0 && p[i] != 0x80);
         } else if (t.dtype == DType::F32) {
@@ -121,7 +126,7 @@ InspectReport inspect_checkpoint(const std::string& dir, int64_t max_layers) {
           }
         } else {
           problem(detail::concat(f.path(), ": tensor '", name, "': a scale of dtype ", to_string(t.dtype),
-                                 " (expected F8_E4M3 or F32)"));
+                                 is_ue8m0_kind(kind) ? " (expected U8 ue8m0 codes)" : " (expected F8_E4M3 or F32)"));
         }
       }
     } catch (const Error& e) {
@@ -135,23 +140,35 @@ std::string InspectReport::to_text() const {
   std::ostringstream os;
   os << "checkpoint: " << dir << "\n";
   if (config_ok) {
-    os << "format:     " << to_string(config.format) << " NVFP4 (group 16, act_quant "
-       << to_string(config.problem.act_quant) << ")\n";
+    const MoeProblem& p = config.problem;
+    const bool mx = p.weight_format == WeightFormat::MXFP4;
+    const int64_t blk = p.weight_block();
+    os << "format:     " << to_string(config.format) << (mx ? " MXFP4 (group 32, ue8m0 scales" : " NVFP4 (group 16")
+       << ", act_quant " << to_string(p.act_quant) << ")\n";
     os << "model:      " << config.model_type << " (family " << to_string(config.family) << "), "
        << config.num_layers << " layers\n";
     os << "moe layers: " << moe_layers.size();
     if (!moe_layers.empty()) os << " (" << moe_layers.front() << ".." << moe_layers.back() << ")";
     os << ", loaded cleanly: " << loaded_layers.size() << "\n";
-    const MoeProblem& p = config.problem;
     os << "experts:    " << p.num_experts << " routed, top-k " << p.top_k();
     if (!shared_experts.empty()) os << ", shared experts in " << shared_experts.size() << " layers (not part of the routed MoE)";
     os << "\n";
     os << "shapes:     w13 [" << p.num_experts << ", " << 2 * p.inter << ", " << p.hidden / 2 << "] w13_scale ["
-       << p.num_experts << ", " << 2 * p.inter << ", " << p.hidden / 16 << "] w2 [" << p.num_experts << ", "
+       << p.num_experts << ", " << 2 * p.inter << ", " << p.hidden / blk << "] w2 [" << p.num_experts << ", "
        << p.hidden << ", " << p.inter / 2 << "] w2_scale [" << p.num_experts << ", " << p.hidden << ", "
-       << p.inter / 16 << "] router [" << p.num_experts << ", " << p.hidden << "]\n";
+       << p.inter / blk << "] router [" << p.num_experts << ", " << p.hidden << "]";
+    if (config.family == ModelFamily::GptOss)
+      os << " router_bias [" << p.num_experts << "] w13_bias [" << p.num_experts << ", " << 2 * p.inter
+         << "] w2_bias [" << p.num_experts << ", " << p.hidden << "]";
+    os << "\n";
+    os << "activation: " << to_string(p.activation.kind);
+    if (p.activation.kind == Activation::SwiGLUOai)
+      os << " (alpha " << p.activation.swiglu_alpha << ", beta " << p.activation.swiglu_beta << ", limit "
+         << p.activation.swiglu_limit << ")";
+    if (config.family == ModelFamily::GptOss) os << ", gate/up rows interleaved in the files (loaded as [gate; up])";
+    os << "\n";
     os << "problem:    " << p.describe() << "\n";
-    os << "w1/w3 fusion: " << fusion.experts_rescaled << " experts with different gate/up weight_scale_2, "
+    if (!mx) os << "w1/w3 fusion: " << fusion.experts_rescaled << " experts with different gate/up weight_scale_2, "
        << fusion.block_scales_changed << " block scales changed, worst relative change "
        << fusion.worst_relative_change << "\n";
     os << "scales (as stored):\n";

@@ -4,7 +4,8 @@
 //   run --checkpoint DIR --layer L --tokens T [--device cpu|cuda] [--out OUT] [--seed S]:
 //     load layer L, draw hidden states (io::random_hidden_states), compute the router logits from the
 //     real router weight, run the layer (reference or GPU via the case), save OUT, print a summary.
-//   make-fixture DIR --format F --family M: write a small random checkpoint (hidden subcommand).
+//   make-fixture DIR --format F --family M: write a small random checkpoint (hidden subcommand; gpt-oss:
+//     --format mxfp4 --family gpt_oss).
 #include "tools/checkpoint_commands.hpp"
 
 #include <cmath>
@@ -21,7 +22,7 @@
 namespace fp4moe::tools {
 
 void add_inspect_command(CLI::App& app, InspectCommandOptions& o) {
-  CLI::App* c = app.add_subcommand("inspect", "Check an NVFP4 MoE checkpoint directory and print its structure");
+  CLI::App* c = app.add_subcommand("inspect", "Check an NVFP4 or MXFP4 (gpt-oss) MoE checkpoint directory and print its structure");
   c->add_option("dir", o.dir, "Checkpoint directory (config.json, *.safetensors)")->required();
   c->add_option("--layers", o.max_layers, "Load at most this many MoE layers (default: all)");
   o.command = c;
@@ -35,11 +36,11 @@ int run_inspect_command(const InspectCommandOptions& o) {
 }
 
 void add_make_fixture_command(CLI::App& app, MakeFixtureOptions& o) {
-  CLI::App* c = app.add_subcommand("make-fixture", "Write a small random NVFP4 MoE checkpoint (tests)");
+  CLI::App* c = app.add_subcommand("make-fixture", "Write a small random NVFP4 or MXFP4 (gpt-oss) MoE checkpoint (tests)");
   c->group("");  // hidden from --help
   c->add_option("dir", o.dir, "Output directory")->required();
-  c->add_option("--format", o.format, "modelopt or compressed-tensors")->capture_default_str();
-  c->add_option("--family", o.family, "deepseek, qwen3, llama4 or mixtral")->capture_default_str();
+  c->add_option("--format", o.format, "modelopt, compressed-tensors or mxfp4 (with --family gpt_oss)")->capture_default_str();
+  c->add_option("--family", o.family, "deepseek, qwen3, llama4, mixtral or gpt_oss (with --format mxfp4)")->capture_default_str();
   c->add_option("--layers", o.layers, "Layers")->capture_default_str();
   c->add_option("--experts", o.experts, "Routed experts")->capture_default_str();
   c->add_option("--hidden", o.hidden, "Hidden size H")->capture_default_str();
@@ -76,7 +77,10 @@ int run_checkpoint_layer(const CheckpointRunOptions& o) {
   io::LoadOptions lo;
   lo.fusion = io::parse_scale_fusion_policy(o.fusion);
   io::MoeLayerWeights w = ck.load_layer(o.layer, lo);
-  if (!o.act_quant.empty()) w.problem.act_quant = parse_act_quant(o.act_quant, "--act-quant");
+  if (!o.act_quant.empty()) {
+    w.problem.act_quant = parse_act_quant(o.act_quant, "--act-quant");
+    w.problem.validate();  // e.g. a w4a4 mode on MXFP4 weights (w4a16 only)
+  }
   io::MoeCase c = w.to_case(io::random_hidden_states(o.tokens, w.problem.hidden, o.seed), o.tokens);
   reference::MoeResult result;
   if (o.device == "cuda") {
@@ -97,9 +101,10 @@ int run_checkpoint_layer(const CheckpointRunOptions& o) {
   const double rms = result.output.empty() ? 0.0 : std::sqrt(sumsq / double(result.output.size()));
   std::printf("%s: %s layer %lld, T=%lld %s\n", o.device.c_str(), o.dir.c_str(), static_cast<long long>(o.layer),
               static_cast<long long>(o.tokens), c.problem.describe().c_str());
-  std::printf("  w1/w3 fusion: %lld experts rescaled, %lld block scales changed, worst relative change %g\n",
-              static_cast<long long>(w.fusion.experts_rescaled), static_cast<long long>(w.fusion.block_scales_changed),
-              w.fusion.worst_relative_change);
+  if (w.problem.weight_format == WeightFormat::NVFP4)  // MXFP4 has no global scales to fuse
+    std::printf("  w1/w3 fusion: %lld experts rescaled, %lld block scales changed, worst relative change %g\n",
+                static_cast<long long>(w.fusion.experts_rescaled),
+                static_cast<long long>(w.fusion.block_scales_changed), w.fusion.worst_relative_change);
   std::printf("  output rms %.6g, non-finite %lld%s%s\n", rms, static_cast<long long>(non_finite),
               o.out.empty() ? "" : " -> ", o.out.c_str());
   return 0;

@@ -18,6 +18,19 @@
 //                         config group the checkpoint is weight-only (act_quant w4a16): input scales
 //                         are then not read and are set to 1.0f (unused by w4a16).
 //
+//   gpt-oss MXFP4         (config.json "quantization_config": {"quant_method": "mxfp4",
+//                         "modules_to_not_convert": [...]}); the experts of a layer are fused tensors:
+//                         experts.gate_up_proj_blocks U8 [E, 2I, H/32, 16], gate_up_proj_scales U8
+//                         [E, 2I, H/32], gate_up_proj_bias BF16 [E, 2I], down_proj_blocks U8
+//                         [E, H, I/32, 16], down_proj_scales U8 [E, H, I/32], down_proj_bias BF16 [E, H].
+//                         Blocks run along K (the input features) of each output row, 32 e2m1 codes in
+//                         16 bytes, element 2j in the low nibble of byte j: the bytes of one row's
+//                         blocks are the canonical packed row. Scales are ue8m0 codes (2^(c - 127); 255
+//                         is refused). gate_up rows are interleaved (row 2i gate i, row 2i+1 up i; the
+//                         bias alike): the loader de-interleaves them into [gate; up]. weight_format
+//                         mxfp4, act_quant w4a16, biases fp32 (exact from bf16), no global or input
+//                         scales (their [E] vectors stay empty).
+//
 // Model families (layer prefix, expert names, router), chosen by config.json's model_type
 // (family_of_model_type: DeepSeek-V3 / V3.2, Kimi-K2 and GLM-4.5/4.6 are deepseek_v3; Qwen3-Next is
 // qwen3_moe):
@@ -29,6 +42,11 @@
 //                router feed_forward.router.weight (shared expert feed_forward.shared_expert)
 //   mixtral      model.layers.L.block_sparse_moe.experts.E.{w1,w2,w3}, router block_sparse_moe.gate.weight
 //                (w1 = gate, w3 = up, w2 = down)
+//   gpt_oss      model.layers.L.mlp.experts.{gate_up_proj,down_proj}_{blocks,scales,bias} (above),
+//                router mlp.router.weight BF16 [E, H] and mlp.router.bias BF16 [E]: logits = x . W^T + b
+//                (router_bias), routing renormalize (top-k of the logits, softmax over the k),
+//                activation swiglu_oai (alpha 1.702, beta 1, limit = config.json's swiglu_limit).
+//                Every layer is a MoE layer.
 //
 // w1/w3 fusion: w13 = [gate; up] shares one scale_2 per expert. When gate and up carry different
 // weight_scale_2, the policy decides: rescale_to_max (default) re-expresses both halves under
@@ -67,17 +85,18 @@
 
 namespace fp4moe::io {
 
-enum class CheckpointFormat { ModelOpt, CompressedTensors };
-enum class ModelFamily { DeepSeekV3, Qwen3Moe, Llama4, Mixtral };
+enum class CheckpointFormat { ModelOpt, CompressedTensors, Mxfp4 };
+enum class ModelFamily { DeepSeekV3, Qwen3Moe, Llama4, Mixtral, GptOss };
 enum class ScaleFusionPolicy { RescaleToMax, Error };
 
-std::string_view to_string(CheckpointFormat f);   // "modelopt", "compressed-tensors"
-std::string_view to_string(ModelFamily f);        // "deepseek_v3", "qwen3_moe", "llama4", "mixtral"
+std::string_view to_string(CheckpointFormat f);   // "modelopt", "compressed-tensors", "mxfp4"
+std::string_view to_string(ModelFamily f);        // "deepseek_v3", "qwen3_moe", "llama4", "mixtral", "gpt_oss"
 std::string_view to_string(ScaleFusionPolicy p);  // "rescale_to_max", "error"
 CheckpointFormat parse_checkpoint_format(std::string_view name);  // throws fp4moe::Error
-ModelFamily parse_model_family(std::string_view name);            // also accepts "deepseek", "qwen3"
+ModelFamily parse_model_family(std::string_view name);            // also accepts "deepseek", "qwen3", "gpt-oss"
 // The family of a config.json model_type: deepseek_v3, deepseek_v32, kimi_k2, glm4_moe -> deepseek_v3;
-// qwen3_moe, qwen3_next -> qwen3_moe; llama4, llama4_text -> llama4; mixtral. Throws fp4moe::Error.
+// qwen3_moe, qwen3_next -> qwen3_moe; llama4, llama4_text -> llama4; mixtral; gpt_oss. Throws fp4moe::Error.
+// The mxfp4 format goes with the gpt_oss family only, and gpt_oss with the mxfp4 format only.
 ModelFamily family_of_model_type(std::string_view model_type);
 ScaleFusionPolicy parse_scale_fusion_policy(std::string_view name);
 
@@ -94,7 +113,8 @@ struct CheckpointConfig {
   std::vector<int64_t> moe_layers;        // llama4 "moe_layers" when given (overrides the step)
   int64_t n_shared_experts = 0;           // deepseek_v3 (llama4: 1)
   MoeProblem problem;                     // E = routed experts, H, I, routing, swiglu, act_quant
-  std::vector<std::string> excluded_modules;  // not quantized (ModelOpt exclude_modules / CT ignore)
+  std::vector<std::string> excluded_modules;  // not quantized (ModelOpt exclude_modules / CT ignore /
+                                              // mxfp4 modules_to_not_convert)
 
   bool is_moe_layer(int64_t layer) const;
   // "dense (first_k_dense_replace=3)" style reason when not a MoE layer, empty when it is one.
@@ -116,7 +136,9 @@ struct ScaleFusionReport {
   double worst_relative_change = 0;   // of an effective block scale (float(b) * s_2)
 };
 
-// One MoE layer in the canonical layout (docs/case-file.md), owned in host memory.
+// One MoE layer in the canonical layout (docs/case-file.md), owned in host memory. Scales by
+// problem.weight_format: NVFP4 e4m3 [.., K/16] with the [E] global and input scales; MXFP4 ue8m0 codes
+// [.., K/32] with the four [E] vectors empty (reference::MoeWeights, null there).
 struct MoeLayerWeights {
   MoeProblem problem;            // num_experts = the local expert count
   int64_t layer = 0;
@@ -124,21 +146,28 @@ struct MoeLayerWeights {
   int64_t expert_begin = 0, expert_end = 0;  // global ids [begin, end) held here
   int64_t total_inter = 0;                   // I of the whole layer
   int64_t inter_begin = 0, inter_end = 0;    // tensor parallelism: columns [begin, end) of I held here
-  std::vector<uint8_t> w13, w13_scale;              // [E, 2I, H/2], [E, 2I, H/16]  rows [gate; up]
-  std::vector<float> w13_scale_2, w13_input_scale;  // [E]
-  std::vector<uint8_t> w2, w2_scale;                // [E, H, I/2], [E, H, I/16]
-  std::vector<float> w2_scale_2, w2_input_scale;    // [E]
+  std::vector<uint8_t> w13, w13_scale;              // [E, 2I, H/2], [E, 2I, H/16] (MXFP4: H/32)  rows [gate; up]
+  std::vector<float> w13_scale_2, w13_input_scale;  // [E] (MXFP4: empty)
+  std::vector<uint8_t> w2, w2_scale;                // [E, H, I/2], [E, H, I/16] (MXFP4: I/32)
+  std::vector<float> w2_scale_2, w2_input_scale;    // [E] (MXFP4: empty)
+  // Expert biases (gpt_oss), fp32: w13_bias [E, 2I] rows [gate; up] (a tensor-parallel rank's rows),
+  // w2_bias [E, H] (added once per output: tensor-parallel rank 0 only, empty on the others); empty
+  // for checkpoints without them.
+  std::vector<float> w13_bias, w2_bias;
   float w13_input_scale_max = 0.0f;  // max of w13_input_scale over the whole layer's experts (w4a4 checkpoints)
   std::vector<uint16_t> router_weight;  // [total_experts, H] bf16 bits
   std::vector<float> routing_bias;      // [total_experts] (deepseek_v3 e_score_correction_bias) or empty
+  std::vector<float> router_bias;       // [total_experts] the router's own bias (gpt_oss), added to the
+                                        // logits by router_logits(), or empty
   ScaleFusionReport fusion;
 
   // Sizes the expert tensors for problem.num_experts local experts of problem's H and I (gate and up
-  // rows both present), contents zero.
-  void allocate_experts();
-  reference::MoeWeights weights() const;  // views into this object
-  // Router logits [T, total_experts] = x . router^T, fp32 accumulation over the bf16 values, in
-  // index order (hidden is bf16 bits [T, H]).
+  // rows both present) and weight_format (MXFP4: no [E] scale vectors), contents zero; with
+  // `biases`, w13_bias and w2_bias too.
+  void allocate_experts(bool biases = false);
+  reference::MoeWeights weights() const;  // views into this object (null for empty vectors)
+  // Router logits [T, total_experts] = x . router^T (+ router_bias), fp32 accumulation over the bf16
+  // values in index order, then the bias added in fp32 (hidden is bf16 bits [T, H]).
   std::vector<float> router_logits(const uint16_t* hidden, int64_t num_tokens) const;
   // A case with these weights, the given hidden states and logits computed by router_logits()
   // (whole layers only: expert_begin == 0 and expert_end == total_experts).
@@ -210,6 +239,9 @@ struct InspectReport {
 InspectReport inspect_checkpoint(const std::string& dir, int64_t max_layers = -1);
 
 // ---- fixtures ---------------------------------------------------------------------------------------
+// gpt_oss fixtures (format mxfp4, family gpt_oss; both must be given together): the published layout
+// (interleaved gate/up rows, bf16 biases and router); the weights are random MXFP4 codes (the ue8m0
+// scales 118..122), every layer a MoE layer.
 struct FixtureOptions {
   CheckpointFormat format = CheckpointFormat::ModelOpt;
   ModelFamily family = ModelFamily::DeepSeekV3;
@@ -233,8 +265,9 @@ struct Fixture {
 };
 
 // Writes a small checkpoint (config.json, quantization config, shards + index) to `dir` (created)
-// from random weights quantized with format::quantize_nvfp4. With up_scale_2_factor != 1 the
-// expected layers are those of the rescale_to_max policy.
+// from random weights quantized with format::quantize_nvfp4 (gpt_oss: random MXFP4 codes, see
+// FixtureOptions). With up_scale_2_factor != 1 the expected layers are those of the rescale_to_max
+// policy. H and I must be multiples of 16 (gpt_oss: of 32).
 Fixture write_fixture(const std::string& dir, const FixtureOptions& options);
 
 }  // namespace fp4moe::io
