@@ -125,6 +125,8 @@ nb::dict load_layer(const std::string& dir, int64_t layer, int ep_rank, int ep_s
   d["inter_end"] = w.inter_end;
   d["router_weight"] = to_array(std::move(w.router_weight), {total, H});
   if (!w.routing_bias.empty()) d["routing_bias"] = to_array(std::move(w.routing_bias), {total});
+  // gpt-oss: the router's own bias, added to the logits (x . router_weight^T + router_bias).
+  if (!w.router_bias.empty()) d["router_bias"] = to_array(std::move(w.router_bias), {total});
   d["experts_rescaled"] = w.fusion.experts_rescaled;
   d["block_scales_changed"] = w.fusion.block_scales_changed;
   d["worst_relative_change"] = w.fusion.worst_relative_change;

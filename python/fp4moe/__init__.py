@@ -377,7 +377,9 @@ def load_checkpoint_layer(checkpoint, layer, *, ep_rank=0, ep_size=1, tp_rank=0,
     block scales as uint8 e4m3 bits, "w13_input_scale_max", the whole layer's, in w4a4; MXFP4 uint8
     ue8m0 codes, no [E] scales, the expert biases),
     "router_weight" [E_total, H] (bf16; uint16 bits in NumPy), "routing_bias" [E_total] when the
-    model has one, "expert_begin" / "expert_end" (this expert-parallel rank's global ids),
+    model has one (deepseek_v3's correction bias, MoeLayer's routing_bias), "router_bias" [E_total]
+    float32 for gpt-oss (the router's own bias: router_logits = x . router_weight^T + router_bias),
+    "expert_begin" / "expert_end" (this expert-parallel rank's global ids),
     "inter_begin" / "inter_end" of "total_inter" (this tensor-parallel rank's columns of I; see
     tensor_parallel_shard) and the w1/w3 scale-fusion report. `framework`: "numpy" or "torch" (CPU tensors)."""
     where = "load_checkpoint_layer"

@@ -568,3 +568,32 @@ def test_mxfp4_expert_parallel_ranks_sum_to_the_layer():
         total += bf16_bits_to_float(out)
     ref = bf16_bits_to_float(full)
     assert np.linalg.norm(total - ref) <= 5e-3 * np.linalg.norm(ref)
+
+
+def test_load_gpt_oss_checkpoint_layer(tmp_path):
+    """A gpt-oss MXFP4 checkpoint (the fixture of io::write_fixture): the layer comes back as MXFP4 with
+    its expert biases and router bias, and runs as the cpu layer against the NumPy model."""
+    expected = fp4moe._fp4moe._write_checkpoint_fixture(str(tmp_path), "gpt_oss", "mxfp4")
+    for layer, weights in expected.items():
+        loaded = fp4moe.load_checkpoint_layer(tmp_path, layer)
+        problem = loaded["problem"]
+        assert loaded["weight_format"] == problem.weight_format == "mxfp4" and problem.act_quant == "w4a16"
+        assert problem.activation == "swiglu_oai" and problem.routing_method == "renormalize"
+        w = loaded["weights"]
+        assert sorted(w) == ["w13", "w13_bias", "w13_scale", "w2", "w2_bias", "w2_scale"]
+        assert w["w13_scale"].shape == (problem.num_experts, problem.w13_rows, problem.hidden // 32)
+        for name, value in weights.items():
+            np.testing.assert_array_equal(w[name], np.asarray(value), err_msg=name)
+        assert loaded["router_bias"].shape == (loaded["total_experts"],) and "routing_bias" not in loaded
+        x = fp4moe.random_case(problem, 4, seed=layer)["hidden_states"]
+        logits = (bf16_bits_to_float(x) @ bf16_bits_to_float(loaded["router_weight"]).T
+                  + loaded["router_bias"]).astype(np.float32)
+        out, _, _ = fp4moe.MoeLayer(problem, w, device="cpu", max_tokens=8)(x, logits)
+        ref, _, _ = numpy_moe_mxfp4(problem, {"weights": w, "hidden_states": x, "router_logits": logits})
+        expect_layer_close(bf16_bits_to_float(out), ref, f"gpt-oss layer {layer}")
+    layer = next(iter(expected))
+    half = fp4moe.load_checkpoint_layer(tmp_path, layer, ep_rank=1, ep_size=2)
+    assert half["weight_format"] == "mxfp4" and half["problem"].weight_format == "mxfp4"
+    assert half["layer_problem"].weight_format == "mxfp4"
+    tp = fp4moe.load_checkpoint_layer(tmp_path, layer, tp_rank=0, tp_size=1)
+    np.testing.assert_array_equal(tp["weights"]["w2_scale"], np.asarray(expected[layer]["w2_scale"]))
