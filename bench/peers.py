@@ -584,10 +584,12 @@ def _tk_layout(result):
 
 
 class TritonWeights:
-    """The model's bf16 weights (W) as triton_kernels MXFP4: w13 with gate and up rows interleaved (the
-    layout triton_kernels' swiglu reads: column 2i gate i, 2i+1 up i), both GEMMs' weights as [E, K, N]
-    quantized along K with downcast_to_mxfp (e2m1 values, ue8m0 scales of 32), then converted to the
-    default Hopper layouts; random fp32 biases. The un-swizzled values and scales stay for the reference."""
+    """The model's bf16 weights (W) as triton_kernels MXFP4, prepared the way vLLM prepares a gpt-oss
+    checkpoint: w13 with gate and up rows interleaved (the layout triton_kernels' swiglu reads: output
+    2i gate i, 2i+1 up i), each weight [E, N, K] quantized along K with downcast_to_mxfp (e2m1 pairs
+    [E, N, K/2], ue8m0 scales [E, N, K/32], the checkpoint's layout), then the [E, K, N] views (K
+    innermost in memory) converted to the default Hopper layouts; random fp32 biases. The un-swizzled
+    values and scales stay for the reference."""
 
     def __init__(self, tk, p, W, seed):
         E, H, I = p["E"], p["H"], p["I"]
@@ -595,35 +597,38 @@ class TritonWeights:
         self.b13 = (0.1 * torch.randn(E, 2 * I, device="cuda", generator=g)).float()  # interleaved, like w13
         self.b2 = (0.1 * torch.randn(E, H, device="cuda", generator=g)).float()
         perm = torch.stack([torch.arange(I, device="cuda"), torch.arange(I, 2 * I, device="cuda")], dim=1).reshape(-1)
-        self.q13, self.s13 = self._quantize(tk, W.w13, perm)  # [E, H/2, 2I], [E, H/32, 2I]
-        self.q2, self.s2 = self._quantize(tk, W.w2, None)     # [E, I/2, H], [E, I/32, H]
+        self.q13, self.s13 = self._quantize(tk, W.w13, perm)  # [E, 2I, H/2], [E, 2I, H/32]
+        self.q2, self.s2 = self._quantize(tk, W.w2, None)     # [E, H, I/2], [E, H, I/32]
         self.w13, self.pc13 = self._hopper(tk, self.q13, self.s13)
         self.w2, self.pc2 = self._hopper(tk, self.q2, self.s2)
 
     @staticmethod
     def _quantize(tk, w, row_perm):
-        """w bf16 [E, N, K] (nn.Linear) -> (u8 [E, K/2, N], u8 [E, K/32, N]), one expert at a time."""
+        """w bf16 [E, N, K] (nn.Linear) -> (u8 [E, N, K/2], u8 [E, N, K/32]), one expert at a time."""
         E, N, K = w.shape
-        q = torch.empty(E, K // 2, N, device="cuda", dtype=torch.uint8)
-        s = torch.empty(E, K // 32, N, device="cuda", dtype=torch.uint8)
+        q = torch.empty(E, N, K // 2, device="cuda", dtype=torch.uint8)
+        s = torch.empty(E, N, K // 32, device="cuda", dtype=torch.uint8)
         for e in range(E):
             we = w[e] if row_perm is None else w[e].index_select(0, row_perm)
-            qe, se = tk.downcast_to_mxfp(we.t().contiguous(), torch.uint8, axis=0)
-            q[e], s[e] = qe, se
+            qe, se = tk.downcast_to_mxfp(we.contiguous(), torch.uint8, axis=1)
+            q[e].copy_(qe)
+            s[e].copy_(se)
         return q, s
 
     @staticmethod
     def _hopper(tk, q, s):
+        """[E, N, K/2] values and [E, N, K/32] scales -> the matmul_ogs operand [E, K, N] (FP4 takes its
+        packed dimension from the innermost one: the [E, K/2, N] view) and its PrecisionConfig."""
         vl, vopts = _tk_layout(tk.make_default_matmul_mxfp4_w_layout(mx_axis=1))
         sl, sopts = _tk_layout(tk.make_default_matmul_mxfp4_w_scale_layout(mx_axis=1, num_warps=TRITON_SCALE_NUM_WARPS))
-        wt = tk.convert_layout(tk.wrap_torch_tensor(q, dtype=tk.FP4), vl, **vopts)
-        st = tk.convert_layout(tk.wrap_torch_tensor(s), sl, **sopts)
+        wt = tk.convert_layout(tk.wrap_torch_tensor(q.transpose(-2, -1), dtype=tk.FP4), vl, **vopts)
+        st = tk.convert_layout(tk.wrap_torch_tensor(s.transpose(-2, -1)), sl, **sopts)
         return wt, tk.PrecisionConfig(weight_scale=st, flex_ctx=tk.FlexCtx(rhs_data=tk.InFlexData()))
 
     def dequant(self, tk, which, e):
-        """Expert e's weight as fp32 [K, N] from the un-swizzled MXFP4 values and scales."""
+        """Expert e's weight as fp32 [N, K] from the un-swizzled MXFP4 values and scales."""
         q, s = (self.q13, self.s13) if which == 13 else (self.q2, self.s2)
-        return tk.upcast_from_mxfp(q[e], s[e], torch.bfloat16, axis=0).float()
+        return tk.upcast_from_mxfp(q[e], s[e], torch.bfloat16, axis=1).float()
 
     def nbytes(self):
         return sum(t.numel() * t.element_size() for t in (self.q13, self.s13, self.q2, self.s2, self.b13, self.b2))
@@ -661,9 +666,9 @@ def reference_rows_mxfp4(tk, p, TW, x, ids, w, rows):
     for r, t in enumerate(rows):
         for j in range(p["k"]):
             e = int(ids[t, j])
-            h = x[t].float() @ TW.dequant(tk, 13, e) + TW.b13[e]
+            h = TW.dequant(tk, 13, e) @ x[t].float() + TW.b13[e]
             g, u = h[0::2].clamp(max=L), h[1::2].clamp(min=-L, max=L)
-            y = (g * torch.sigmoid(a * g) * (u + 1.0)).to(torch.bfloat16).float() @ TW.dequant(tk, 2, e) + TW.b2[e]
+            y = TW.dequant(tk, 2, e) @ (g * torch.sigmoid(a * g) * (u + 1.0)).to(torch.bfloat16).float() + TW.b2[e]
             out[r] += w[t, j] * y
     return out
 
