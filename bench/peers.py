@@ -75,10 +75,11 @@ PRESETS = {
     "qwen3-30b-a3b": dict(E=128, H=2048, I=768, k=8, routing="renormalize", act="swiglu"),
     "qwen3-235b-a22b": dict(E=128, H=4096, I=1536, k=8, routing="renormalize", act="swiglu"),
     "llama4-scout": dict(E=16, H=5120, I=8192, k=1, routing="llama4", weight_on_input=True, act="swiglu"),
+    # gpt-oss: MXFP4 weights in fp4moe's presets, which run in mode w4a16 only.
     "gpt-oss-120b": dict(E=128, H=2880, I=2880, k=4, routing="renormalize", act="swiglu_oai",
-                         alpha=1.702, beta=1.0, limit=7.0),
+                         alpha=1.702, beta=1.0, limit=7.0, weights="mxfp4"),
     "gpt-oss-20b": dict(E=32, H=2880, I=2880, k=4, routing="renormalize", act="swiglu_oai",
-                        alpha=1.702, beta=1.0, limit=7.0),
+                        alpha=1.702, beta=1.0, limit=7.0, weights="mxfp4"),
     "tiny": dict(E=8, H=256, I=128, k=2, routing="renormalize", act="swiglu"),
 }
 for _p in PRESETS.values():
@@ -86,6 +87,7 @@ for _p in PRESETS.values():
     _p.setdefault("topk_group", 1)
     _p.setdefault("scale", 1.0)
     _p.setdefault("weight_on_input", False)
+    _p.setdefault("weights", "nvfp4")
 
 PEERS = ("torch_bf16", "torch_fp8")
 # triton_mxfp4 is checked against the same loop on its own dequantized MXFP4 weights: bf16 rounding only.
@@ -816,6 +818,10 @@ def parse_args(argv):
     for m in a.model_list:
         if m not in PRESETS:
             ap.error(f"--models: unknown preset '{m}'; known: {', '.join(PRESETS)}")
+    mx = [m for m in a.model_list if PRESETS[m]["weights"] == "mxfp4"]
+    if mx and a.mode != "w4a16" and not a.no_fp4moe and not a.fp4moe_results:
+        ap.error(f"--models {','.join(mx)}: MXFP4 presets run in fp4moe's mode w4a16 only; pass --mode w4a16 "
+                 f"(or bench them apart from the NVFP4 presets), got --mode {a.mode}")
     try:
         a.token_list = [int(t) for t in a.tokens.split(",") if t]
     except ValueError:

@@ -66,7 +66,7 @@ def write_package(root, peers, omit_module=None, omit_attr=None, weight_scale=Tr
 
 
 def test_without_the_option_the_row_is_off(peers):
-    a = peers.parse_args(["--models", "gpt-oss-20b,gpt-oss-120b"])
+    a = peers.parse_args(["--models", "gpt-oss-20b,gpt-oss-120b", "--mode", "w4a16"])
     assert a.triton_kernels is None
     assert a.all_peers == ["torch_bf16", "torch_fp8"]
     doc = peers.triton_kernels_doc(a)
@@ -76,11 +76,20 @@ def test_without_the_option_the_row_is_off(peers):
 
 def test_the_option_adds_the_row(peers, tmp_path):
     write_package(tmp_path, peers)
-    a = peers.parse_args(["--models", "gpt-oss-20b,qwen3-30b-a3b", "--triton-kernels", str(tmp_path)])
+    a = peers.parse_args(["--models", "gpt-oss-20b,qwen3-30b-a3b", "--mode", "w4a16", "--triton-kernels",
+                          str(tmp_path)])
     assert a.all_peers == ["torch_bf16", "torch_fp8", "triton_mxfp4"]
     doc = peers.triton_kernels_doc(a)
     assert doc["models"] == ["gpt-oss-20b"]  # only the gpt-oss presets: swiglu_oai, renormalize
     assert "v3.6.0" in doc["expected"]
+
+
+def test_mxfp4_presets_need_mode_w4a16(peers, capsys):
+    with pytest.raises(SystemExit):
+        peers.parse_args(["--models", "gpt-oss-20b,qwen3-30b-a3b"])  # default mode w4a4_scalar
+    assert "MXFP4 presets run in fp4moe's mode w4a16 only" in capsys.readouterr().err
+    assert peers.parse_args(["--models", "gpt-oss-20b", "--mode", "w4a16"]).mode == "w4a16"
+    assert peers.parse_args(["--models", "gpt-oss-20b", "--no-fp4moe"]).no_fp4moe  # the peers alone
 
 
 def test_presets_of_gpt_oss(peers):
@@ -175,7 +184,8 @@ def test_another_triton_kernels_already_imported_is_refused(peers, tmp_path, cle
 
 def test_unavailable_package_is_recorded_in_every_gpt_oss_row(peers, tmp_path):
     write_package(tmp_path, peers)
-    a = peers.parse_args(["--models", "gpt-oss-20b,tiny", "--tokens", "1,8", "--triton-kernels", str(tmp_path)])
+    a = peers.parse_args(["--models", "gpt-oss-20b,tiny", "--tokens", "1,8", "--mode", "w4a16", "--triton-kernels",
+                          str(tmp_path)])
     doc = {"triton_kernels": peers.triton_kernels_doc(a)}
     rows = {(m, T): {"model": m, "tokens": T} for m in a.model_list for T in a.token_list}
     failures = []
