@@ -165,6 +165,11 @@ class PreparedLayer {
       throw Error(std::string("Layer: ") + e.what());
     }
     const int64_t E = problem_.num_experts;
+    if (problem_.weight_format == WeightFormat::MXFP4) {  // NaN codes refused when the layer is built, as on cuda
+      const int64_t H = problem_.hidden, I = problem_.inter, N13 = problem_.w13_rows();
+      check_ue8m0(c.w13_scale, N13, H / format::kMxfp4BlockSize, "w13_scale (rows [gate; up])");
+      check_ue8m0(c.w2_scale, H, I / format::kMxfp4BlockSize, "w2_scale");
+    }
     w13_ = std::move(c.w13);
     w13_scale_ = std::move(c.w13_scale);
     w2_scale_ = std::move(c.w2_scale);
@@ -177,6 +182,13 @@ class PreparedLayer {
     w13_input_scale_ = copy(host.view.w13_input_scale);
     w2_input_scale_ = copy(host.view.w2_input_scale);
     w13_input_scale_max_ = host.view.w13_input_scale_max;
+  }
+
+  // An MXFP4 scale tensor [E, rows, blocks] without the ue8m0 NaN code 255.
+  static void check_ue8m0(const std::vector<uint8_t>& codes, int64_t rows, int64_t blocks, const char* name) {
+    const int64_t i = format::find_ue8m0_nan(codes.data(), int64_t(codes.size()));
+    check(i < 0, "Layer: ", name, ": ue8m0 block scale code 255 (NaN) at expert ", i / (rows * blocks), ", row ",
+          (i / blocks) % rows, ", block ", i % blocks, "; MXFP4 scales must be codes 0..254");
   }
 
   const MoeProblem& problem() const { return problem_; }

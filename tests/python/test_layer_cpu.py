@@ -528,8 +528,9 @@ def test_mxfp4_errors_name_the_argument_and_the_mxfp4_shape():
         layer({n: v for n, v in w.items() if n != "w2_scale"})
     bad = w["w13_scale"].copy()
     bad[2, 5, 1] = 255
-    with pytest.raises(fp4moe.Error, match=r"w13_scale: ue8m0 block scale code 255 \(NaN\) at expert 2, row 5, block 1"):
-        layer(dict(w, w13_scale=bad))(case["hidden_states"], case["router_logits"])
+    with pytest.raises(fp4moe.Error, match=r"w13_scale .*: ue8m0 block scale code 255 \(NaN\) at expert 2, row 5, "
+                                           r"block 1"):
+        layer(dict(w, w13_scale=bad))  # when the layer is built, as on cuda
 
 
 def test_mxfp4_tensor_parallel_shards_sum_to_the_layer():
