@@ -12,7 +12,7 @@
 // w13 under one scale_2 (policy of LoadOptions), keeping only this tensor-parallel rank's columns of I
 // (rows of gate / up, columns of down: io::tensor_parallel_range), so that a rank never holds more
 // than its share; (5) read the router weight (bf16 [E, H]) and the DeepSeek score-correction bias.
-// gpt_oss (MXFP4, load_gpt_oss_layer): the six fused expert tensors of the layer, dtype and shape
+// gpt_oss (MXFP4, load_gpt_oss_experts): the six fused expert tensors of the layer, dtype and shape
 // checked, the local experts' ue8m0 codes checked (no 255), the interleaved gate/up rows (and bias)
 // de-interleaved into [gate; up] while copying this rank's rows / columns; the biases widened to
 // fp32; then the router weight and its bias.
@@ -262,7 +262,6 @@ void rescale_blocks(uint8_t* scales, int64_t n, float from, float to, ScaleFusio
     scales[i] = nb;
   }
 }
-
 
 // A bias or router bias: BF16 (as published) or F32 values of `shape`, widened to fp32, each finite.
 std::vector<float> read_floats(const Checkpoint::Impl& ck, const std::string& name, const std::vector<int64_t>& shape,
