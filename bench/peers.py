@@ -27,6 +27,15 @@ Runs on a machine with an sm_90 GPU, torch (CUDA build) and a built `fp4moe` CLI
      warm-up, only at the (model, T) of the anchors file (all T without one),
      with the model's weights already allocated for 3. These timings (torch_*_refproto_us) are what
      the anchors section compares with the reference numbers.
+  3c. with --triton-kernels PATH (the python/triton_kernels folder of a triton checkout at v3.6.0; never
+     vendored here), for the gpt-oss presets, the triton_mxfp4 row: OpenAI's triton_kernels as vLLM runs
+     gpt-oss on Hopper -- MXFP4 copies of the same bf16 weights (downcast_to_mxfp, the default Hopper
+     layouts), random fp32 biases, bf16 activations; the timed call takes (hidden states, logits) and runs
+     topk with the softmax over the k, the ragged metadata, matmul_ogs GEMM1 (gather, bias, fused
+     swiglu_oai with alpha 1.702, limit 7) and matmul_ogs GEMM2 (bias, router weight, scatter-sum).
+     Events, median of --reps after warm-up, as in 3. Its refcheck uses the fp32 loop on the
+     dequantized MXFP4 weights (tolerance 2e-2). Without the option the row is absent and the table
+     says why; a PATH that lacks a name the row calls fails with that name and the expected release.
   4. with --refcheck (default), before timing a shape, checks the torch bf16 baseline (tolerance
      2e-2) and the fp8 baseline (tolerance 0.2: fp8 quantization error) against a plain fp32
      per-token loop over a few tokens; a baseline that fails is reported and never counted as the
@@ -66,8 +75,11 @@ PRESETS = {
     "qwen3-30b-a3b": dict(E=128, H=2048, I=768, k=8, routing="renormalize", act="swiglu"),
     "qwen3-235b-a22b": dict(E=128, H=4096, I=1536, k=8, routing="renormalize", act="swiglu"),
     "llama4-scout": dict(E=16, H=5120, I=8192, k=1, routing="llama4", weight_on_input=True, act="swiglu"),
+    # gpt-oss: MXFP4 weights in fp4moe's presets, which run in mode w4a16 only.
     "gpt-oss-120b": dict(E=128, H=2880, I=2880, k=4, routing="renormalize", act="swiglu_oai",
-                         alpha=1.702, beta=1.0, limit=7.0),
+                         alpha=1.702, beta=1.0, limit=7.0, weights="mxfp4"),
+    "gpt-oss-20b": dict(E=32, H=2880, I=2880, k=4, routing="renormalize", act="swiglu_oai",
+                        alpha=1.702, beta=1.0, limit=7.0, weights="mxfp4"),
     "tiny": dict(E=8, H=256, I=128, k=2, routing="renormalize", act="swiglu"),
 }
 for _p in PRESETS.values():
@@ -75,9 +87,11 @@ for _p in PRESETS.values():
     _p.setdefault("topk_group", 1)
     _p.setdefault("scale", 1.0)
     _p.setdefault("weight_on_input", False)
+    _p.setdefault("weights", "nvfp4")
 
 PEERS = ("torch_bf16", "torch_fp8")
-REFCHECK_TOL = {"torch_bf16": 2e-2, "torch_fp8": 0.2}
+# triton_mxfp4 is checked against the same loop on its own dequantized MXFP4 weights: bf16 rounding only.
+REFCHECK_TOL = {"torch_bf16": 2e-2, "torch_fp8": 0.2, "triton_mxfp4": 2e-2}
 
 
 def log(*a):
@@ -455,6 +469,255 @@ def check_rows(got, ref):
 
 
 # ----------------------------------------------------------------------------------------------------
+# triton_kernels (OpenAI's MoE kernels, vLLM's default MXFP4 MoE on Hopper): the gpt-oss layer
+# ----------------------------------------------------------------------------------------------------
+
+TRITON_PEER = "triton_mxfp4"
+TRITON_KERNELS_EXPECTED = ("the triton_kernels of triton v3.6.0 (the python/triton_kernels folder of a triton "
+                           "checkout at tag v3.6.0 or branch release/3.6.x)")
+# (module, attribute) pairs the row calls; checked before anything runs, so that a checkout of another
+# release fails with the name it lacks instead of inside a kernel launch.
+TRITON_KERNELS_NEEDS = (
+    ("triton_kernels.matmul_ogs", "matmul_ogs"),
+    ("triton_kernels.matmul_ogs", "PrecisionConfig"),
+    ("triton_kernels.matmul_ogs", "FlexCtx"),
+    ("triton_kernels.matmul_ogs", "FnSpecs"),
+    ("triton_kernels.matmul_ogs", "FusedActivation"),
+    ("triton_kernels.matmul_ogs", "RoutingData"),
+    ("triton_kernels.matmul_ogs", "GatherIndx"),
+    ("triton_kernels.matmul_ogs", "ScatterIndx"),
+    ("triton_kernels.matmul_ogs", "update_opt_flags_constraints"),
+    ("triton_kernels.swiglu", "swiglu_fn"),
+    ("triton_kernels.topk", "topk"),
+    ("triton_kernels.tensor", "SparseMatrix"),
+    ("triton_kernels.tensor", "make_ragged_tensor_metadata"),
+    ("triton_kernels.tensor", "convert_layout"),
+    ("triton_kernels.tensor", "wrap_torch_tensor"),
+    ("triton_kernels.tensor", "FP4"),
+    ("triton_kernels.tensor_details.layout", "make_default_matmul_mxfp4_w_layout"),
+    ("triton_kernels.tensor_details.layout", "make_default_matmul_mxfp4_w_scale_layout"),
+    ("triton_kernels.numerics_details.mxfp", "downcast_to_mxfp"),
+    ("triton_kernels.numerics_details.mxfp", "upcast_from_mxfp"),
+    ("triton_kernels.numerics", "InFlexData"),
+)
+# The scale layout of the Hopper MXFP4 path depends on the GEMM's warp count; vLLM's weight preparation
+# uses 8.
+TRITON_SCALE_NUM_WARPS = 8
+
+
+class TritonKernelsError(RuntimeError):
+    pass
+
+
+def triton_applies(p):
+    """The row runs for the gpt-oss presets: triton_kernels' fused activation is the clamped swiglu_oai."""
+    return p["act"] == "swiglu_oai" and p["routing"] == "renormalize"
+
+
+def check_triton_kernels_path(path):
+    """-> the resolved folder holding the triton_kernels package; TritonKernelsError when PATH is not one."""
+    if not str(path).strip():
+        raise TritonKernelsError(f"--triton-kernels: expected a directory, {TRITON_KERNELS_EXPECTED}")
+    root = Path(path).expanduser().resolve()
+    if not root.is_dir():
+        raise TritonKernelsError(f"--triton-kernels {path}: no such directory; expected {TRITON_KERNELS_EXPECTED}")
+    if not (root / "triton_kernels" / "__init__.py").is_file():
+        hint = ""
+        if (root / "__init__.py").is_file() and root.name == "triton_kernels":
+            hint = f" (this looks like the package itself: pass its parent, {root.parent})"
+        raise TritonKernelsError(f"--triton-kernels {path}: no triton_kernels/__init__.py under it{hint}; "
+                                 f"expected {TRITON_KERNELS_EXPECTED}")
+    return root
+
+
+def load_triton_kernels(path):
+    """Puts PATH (the python/triton_kernels folder of a triton checkout) first on sys.path, imports the
+    package from there and checks every name the row calls. -> SimpleNamespace of those names.
+    Raises TritonKernelsError naming what is missing and the triton_kernels this script expects."""
+    import importlib
+    import inspect
+    import types
+
+    root = check_triton_kernels_path(path)
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    ns = types.SimpleNamespace(path=str(root))
+    for mod_name, attr in TRITON_KERNELS_NEEDS:
+        try:
+            mod = importlib.import_module(mod_name)
+        except ModuleNotFoundError as e:
+            if e.name and (e.name == mod_name or mod_name.startswith(e.name + ".")):
+                raise TritonKernelsError(f"triton_kernels at {root}: missing module {mod_name} (needed for "
+                                         f"{mod_name}.{attr}); bench/peers.py expects {TRITON_KERNELS_EXPECTED}") from e
+            raise TritonKernelsError(f"triton_kernels at {root}: importing {mod_name} failed: {e}") from e
+        except Exception as e:  # noqa: BLE001 - e.g. triton itself missing or of another release
+            raise TritonKernelsError(f"triton_kernels at {root}: importing {mod_name} failed: "
+                                     f"{type(e).__name__}: {e}") from e
+        mod_file = getattr(mod, "__file__", None)
+        if mod_file and not Path(mod_file).resolve().is_relative_to(root):
+            raise TritonKernelsError(f"{mod_name} was imported from {mod_file}, not from --triton-kernels {root} "
+                                     "(another triton_kernels is installed or was imported first)")
+        if not hasattr(mod, attr):
+            raise TritonKernelsError(f"triton_kernels at {root}: missing {mod_name}.{attr}; bench/peers.py expects "
+                                     f"{TRITON_KERNELS_EXPECTED}")
+        setattr(ns, attr, getattr(mod, attr))
+    # Names of that release whose meaning changed later: the weight-scale field and FnSpecs' reduction_n.
+    import dataclasses
+    fields = {f.name for f in dataclasses.fields(ns.PrecisionConfig)} if dataclasses.is_dataclass(ns.PrecisionConfig) else set()
+    if "weight_scale" not in fields:
+        raise TritonKernelsError(f"triton_kernels at {root}: missing triton_kernels.matmul_ogs.PrecisionConfig."
+                                 f"weight_scale; bench/peers.py expects {TRITON_KERNELS_EXPECTED}")
+    try:
+        params = inspect.signature(ns.FnSpecs).parameters
+    except (TypeError, ValueError):
+        params = {}
+    if "reduction_n" not in params:
+        raise TritonKernelsError(f"triton_kernels at {root}: missing triton_kernels.matmul_ogs.FnSpecs(reduction_n=); "
+                                 f"bench/peers.py expects {TRITON_KERNELS_EXPECTED}")
+    return ns
+
+
+def _tk_layout(result):
+    """make_default_matmul_mxfp4_w[_scale]_layout -> (layout, convert_layout keyword arguments)."""
+    if isinstance(result, tuple):
+        layout, opts = result
+        return layout, dict(opts or {})
+    return result, {}
+
+
+class TritonWeights:
+    """The model's bf16 weights (W) as triton_kernels MXFP4, prepared the way vLLM prepares a gpt-oss
+    checkpoint: w13 with gate and up rows interleaved (the layout triton_kernels' swiglu reads: output
+    2i gate i, 2i+1 up i), each weight [E, N, K] quantized along K with downcast_to_mxfp (e2m1 pairs
+    [E, N, K/2], ue8m0 scales [E, N, K/32], the checkpoint's layout), then the [E, K, N] views (K
+    innermost in memory) converted to the default Hopper layouts; random fp32 biases. The un-swizzled
+    values and scales stay for the reference."""
+
+    def __init__(self, tk, p, W, seed):
+        E, H, I = p["E"], p["H"], p["I"]
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        self.b13 = (0.1 * torch.randn(E, 2 * I, device="cuda", generator=g)).float()  # interleaved, like w13
+        self.b2 = (0.1 * torch.randn(E, H, device="cuda", generator=g)).float()
+        perm = torch.stack([torch.arange(I, device="cuda"), torch.arange(I, 2 * I, device="cuda")], dim=1).reshape(-1)
+        self.q13, self.s13 = self._quantize(tk, W.w13, perm)  # [E, 2I, H/2], [E, 2I, H/32]
+        self.q2, self.s2 = self._quantize(tk, W.w2, None)     # [E, H, I/2], [E, H, I/32]
+        self.w13, self.pc13 = self._hopper(tk, self.q13, self.s13)
+        self.w2, self.pc2 = self._hopper(tk, self.q2, self.s2)
+
+    @staticmethod
+    def _quantize(tk, w, row_perm):
+        """w bf16 [E, N, K] (nn.Linear) -> (u8 [E, N, K/2], u8 [E, N, K/32]), one expert at a time."""
+        E, N, K = w.shape
+        q = torch.empty(E, N, K // 2, device="cuda", dtype=torch.uint8)
+        s = torch.empty(E, N, K // 32, device="cuda", dtype=torch.uint8)
+        for e in range(E):
+            we = w[e] if row_perm is None else w[e].index_select(0, row_perm)
+            qe, se = tk.downcast_to_mxfp(we.contiguous(), torch.uint8, axis=1)
+            q[e].copy_(qe)
+            s[e].copy_(se)
+        return q, s
+
+    @staticmethod
+    def _hopper(tk, q, s):
+        """[E, N, K/2] values and [E, N, K/32] scales -> the matmul_ogs operand [E, K, N] (FP4 takes its
+        packed dimension from the innermost one: the [E, K/2, N] view) and its PrecisionConfig."""
+        vl, vopts = _tk_layout(tk.make_default_matmul_mxfp4_w_layout(mx_axis=1))
+        sl, sopts = _tk_layout(tk.make_default_matmul_mxfp4_w_scale_layout(mx_axis=1, num_warps=TRITON_SCALE_NUM_WARPS))
+        wt = tk.convert_layout(tk.wrap_torch_tensor(q.transpose(-2, -1), dtype=tk.FP4), vl, **vopts)
+        st = tk.convert_layout(tk.wrap_torch_tensor(s.transpose(-2, -1)), sl, **sopts)
+        return wt, tk.PrecisionConfig(weight_scale=st, flex_ctx=tk.FlexCtx(rhs_data=tk.InFlexData()))
+
+    def dequant(self, tk, which, e):
+        """Expert e's weight as fp32 [N, K] from the un-swizzled MXFP4 values and scales."""
+        q, s = (self.q13, self.s13) if which == 13 else (self.q2, self.s2)
+        return tk.upcast_from_mxfp(q[e], s[e], torch.bfloat16, axis=1).float()
+
+    def nbytes(self):
+        return sum(t.numel() * t.element_size() for t in (self.q13, self.s13, self.q2, self.s2, self.b13, self.b2))
+
+
+def make_triton_layer(tk, p, TW):
+    """The gpt-oss layer as vLLM runs it on triton_kernels: (x bf16 [T,H], logits fp32 [T,E]) -> bf16 [T,H].
+    topk of the logits with the softmax over the k (the preset's renormalize routing), the ragged metadata
+    of the experts' rows, GEMM1 (gather, bias, fused swiglu_oai), GEMM2 (bias, router weight, scatter and
+    the sum over the k)."""
+    E, k = p["E"], p["k"]
+    act = tk.FusedActivation(tk.FnSpecs("swiglu", tk.swiglu_fn, ("alpha", "limit"), reduction_n=2),
+                             (p["alpha"], p["limit"]))
+    if p.get("beta", 1.0) != 1.0:
+        raise ValueError("triton_kernels' swiglu adds 1 to the linear half: beta must be 1")
+
+    def forward(x, logits):
+        sparse = tk.topk(logits, k, apply_softmax=True)
+        md = sparse.mask_metadata
+        dispatch, combine = md.row_sorted_indx, md.col_sorted_indx
+        ragged = tk.make_ragged_tensor_metadata(md.col_sum, dispatch.shape[0])
+        gate = sparse.vals.flatten()[combine]
+        rd = tk.RoutingData(gate, md.col_sum, E, k, ragged)
+        h = tk.matmul_ogs(x, TW.w13, TW.b13, rd, gather_indx=tk.GatherIndx(combine, dispatch),
+                          precision_config=TW.pc13, fused_activation=act)
+        return tk.matmul_ogs(h, TW.w2, TW.b2, rd, scatter_indx=tk.ScatterIndx(dispatch, combine),
+                             precision_config=TW.pc2, gammas=gate)
+    return forward
+
+
+def reference_rows_mxfp4(tk, p, TW, x, ids, w, rows):
+    """fp32 per-token loop with the dequantized MXFP4 weights and the biases -> fp32 [len(rows), H]."""
+    out = torch.zeros(len(rows), p["H"], device="cuda", dtype=torch.float32)
+    a, L = p["alpha"], p["limit"]
+    for r, t in enumerate(rows):
+        for j in range(p["k"]):
+            e = int(ids[t, j])
+            h = TW.dequant(tk, 13, e) @ x[t].float() + TW.b13[e]
+            g, u = h[0::2].clamp(max=L), h[1::2].clamp(min=-L, max=L)
+            y = TW.dequant(tk, 2, e) @ (g * torch.sigmoid(a * g) * (u + 1.0)).to(torch.bfloat16).float() + TW.b2[e]
+            out[r] += w[t, j] * y
+    return out
+
+
+def bench_triton_model(args, model, W, tk, rows_out, failures, seed):
+    """Times the triton_kernels row of one gpt-oss model at every T, on MXFP4 copies of its bf16 weights W."""
+    p = PRESETS[model]
+    E, H = p["E"], p["H"]
+    t0 = time.time()
+    try:
+        tk.update_opt_flags_constraints({"split_k": 1})  # vLLM's setting on Hopper
+        TW = TritonWeights(tk, p, W, seed + 3)
+        layer = make_triton_layer(tk, p, TW)
+    except Exception as e:  # noqa: BLE001
+        err = f"weights: {type(e).__name__}: {e}"
+        log(f"triton_kernels {model}: {err}")
+        for T in args.token_list:
+            rows_out[(model, T)][f"{TRITON_PEER}_error"] = err
+            failures.append(f"{model} T={T} {TRITON_PEER}: {err}")
+        return
+    log(f"triton_kernels {model}: MXFP4 weights ready ({TW.nbytes() / 1e9:.1f} GB, {time.time() - t0:.1f} s)")
+    g = torch.Generator(device="cuda").manual_seed(seed + 4)
+    for T in args.token_list:
+        r = rows_out[(model, T)]
+        try:
+            x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, generator=g)
+            logits = torch.randn(T, E, device="cuda", dtype=torch.float32, generator=g)
+            ids, w = route(p, logits, None)
+        except Exception as e:  # noqa: BLE001
+            r[f"{TRITON_PEER}_error"] = f"inputs/routing: {type(e).__name__}: {e}"
+            failures.append(f"{model} T={T} {TRITON_PEER}: {r[f'{TRITON_PEER}_error']}")
+            continue
+        check_tok = check_tokens(T)
+        cache = {}
+
+        def get_ref():
+            if "ref" not in cache:
+                cache["ref"] = reference_rows_mxfp4(tk, p, TW, x, ids, w, check_tok)
+            return cache["ref"]
+        measure(args, r, TRITON_PEER, REFCHECK_TOL[TRITON_PEER], lambda: layer(x, logits), get_ref, check_tok,
+                f"{model} T={T} {TRITON_PEER}", failures)
+        cache = x = logits = ids = w = None  # noqa: F841
+    del layer, TW
+    log(f"triton_kernels {model}: done in {time.time() - t0:.1f} s")
+
+
+# ----------------------------------------------------------------------------------------------------
 # anchors (optional): the reference table of bench/h200-reference-numbers.md
 # ----------------------------------------------------------------------------------------------------
 
@@ -540,6 +803,11 @@ def parse_args(argv):
                     help="also time the torch baselines the way the anchors file describes them (softmax top-k of "
                     "random logits for every model, routing inside the timed call; step 3b) at the anchors' T, "
                     "and compare those with the anchors (default: on when --anchors is given)")
+    ap.add_argument("--triton-kernels", metavar="PATH",
+                    help="the python/triton_kernels folder of a triton checkout (expected: tag v3.6.0 / branch "
+                    "release/3.6.x), put first on sys.path: adds the triton_mxfp4 row (OpenAI's triton_kernels "
+                    "matmul_ogs with MXFP4 weights, bf16 activations; vLLM's MXFP4 MoE on Hopper) for the gpt-oss "
+                    "presets. Without it the row is absent and the table says so")
     ap.add_argument("--seed", type=int, default=1)
     a = ap.parse_args(argv)
     if a.reps < 20:
@@ -550,6 +818,10 @@ def parse_args(argv):
     for m in a.model_list:
         if m not in PRESETS:
             ap.error(f"--models: unknown preset '{m}'; known: {', '.join(PRESETS)}")
+    mx = [m for m in a.model_list if PRESETS[m]["weights"] == "mxfp4"]
+    if mx and a.mode != "w4a16" and not a.no_fp4moe and not a.fp4moe_results:
+        ap.error(f"--models {','.join(mx)}: MXFP4 presets run in fp4moe's mode w4a16 only; pass --mode w4a16 "
+                 f"(or bench them apart from the NVFP4 presets), got --mode {a.mode}")
     try:
         a.token_list = [int(t) for t in a.tokens.split(",") if t]
     except ValueError:
@@ -559,7 +831,16 @@ def parse_args(argv):
     a.peer_list = [x for x in a.peers.split(",") if x]
     for x in a.peer_list:
         if x not in PEERS:
-            ap.error(f"--peers: unknown baseline '{x}'; known: {', '.join(PEERS)}")
+            hint = " (the triton_kernels row is enabled by --triton-kernels PATH)" if x == TRITON_PEER else ""
+            ap.error(f"--peers: unknown baseline '{x}'; known: {', '.join(PEERS)}{hint}")
+    if a.triton_kernels is not None:
+        try:
+            check_triton_kernels_path(a.triton_kernels)
+        except TritonKernelsError as e:
+            ap.error(str(e))
+    # Every peer whose columns the merge and the table read: the torch baselines, then triton_kernels.
+    a.all_peers = a.peer_list + ([TRITON_PEER] if a.triton_kernels else [])
+    a.tk = None  # the loaded triton_kernels names (load_triton_kernels), set in main
     return a
 
 
@@ -634,6 +915,9 @@ def bench_torch_model(args, model, rows_out, failures, refproto_tokens=()):
                 failures.append(f"{model} T={T} {peer}: {err}")
                 if T in refproto_tokens:
                     r[f"{peer}_refproto_error"] = err
+            if args.tk is not None and triton_applies(p):
+                r[f"{TRITON_PEER}_error"] = err
+                failures.append(f"{model} T={T} {TRITON_PEER}: {err}")
         torch.cuda.empty_cache()
         return
     log(f"torch {model}: weights ready ({W.nbytes() / 1e9:.1f} GB, {time.time() - t0:.1f} s)")
@@ -731,6 +1015,9 @@ def bench_torch_model(args, model, rows_out, failures, refproto_tokens=()):
             measure(args, r, key, REFCHECK_TOL[peer], lambda: layer(x, logits), get_ref, check_tok,
                     f"{model} T={T} {key}", failures, sync_each=True)
         layer = cache = x = logits = ids = w = None  # noqa: F841
+    # 4. triton_kernels on MXFP4 copies of the same weights (gpt-oss presets).
+    if args.tk is not None and triton_applies(p):
+        bench_triton_model(args, model, W, args.tk, rows_out, failures, seed)
     del W
     log(f"torch {model}: done in {time.time() - t0:.1f} s")
 
@@ -790,6 +1077,17 @@ def fmt(v, spec="8.1f", width=8):
     return format(v, spec).rjust(width)
 
 
+def triton_table_note(tk):
+    """One line saying what the triton_mx4 column holds, or why it is empty."""
+    if not tk.get("requested"):
+        return tk.get("reason") or "not run"
+    if tk.get("error"):
+        return f"not run: {tk['error']}"
+    models = ", ".join(tk.get("models") or []) or "none of the chosen presets"
+    return (f"triton_kernels matmul_ogs, MXFP4 weights, bf16 activations, routing inside the timed call "
+            f"(eager, events, median), for the gpt-oss presets ({models}); from {tk.get('path')}")
+
+
 def build_table(doc):
     c = doc["ceilings"]
     lines = [f"GPU: {doc['gpu']} ({doc['sm_count']} SMs)   mode {doc['mode']}   reps {doc['reps']}   {doc['date']}"
@@ -810,7 +1108,7 @@ def build_table(doc):
                 lines.append(f"  {who} / anchors - 1: " + "   ".join(devs))
     lines.append("")
     hdr = (f"{'model':<16} {'T':>6} {'hit':>4} {'floor_us':>9} {'fp4moe':>9} {'min':>9} {'%floor':>7} "
-           f"{'torch_bf16':>10} {'torch_fp8':>10} {'best_peer':>10} {'fp4/peer':>8}")
+           f"{'torch_bf16':>10} {'torch_fp8':>10} {'triton_mx4':>10} {'best_peer':>12} {'fp4/peer':>8}")
     lines += [hdr, "-" * len(hdr)]
     for r in doc["rows"]:
         def peer(name):
@@ -825,12 +1123,13 @@ def build_table(doc):
             f"{r['model']:<16} {r['tokens']:>6} {fmt(r.get('experts_hit'), 'd', 4)} {fmt(r.get('floor_us'), '.1f', 9)} "
             f"{fmt('error' if r.get('fp4moe_error') else r.get('fp4moe_median_us'), '.1f', 9)} "
             f"{fmt(r.get('fp4moe_min_us'), '.1f', 9)} {fmt(r.get('fp4moe_pct_of_floor'), '.1f', 7)} "
-            f"{fmt(peer('torch_bf16'), '', 10)} {fmt(peer('torch_fp8'), '', 10)} "
-            f"{fmt((r.get('best_peer') or '-').replace('torch_', ''), '', 10)} {fmt(r.get('ratio'), '.3f', 8)}")
+            f"{fmt(peer('torch_bf16'), '', 10)} {fmt(peer('torch_fp8'), '', 10)} {fmt(peer(TRITON_PEER), '', 10)} "
+            f"{fmt((r.get('best_peer') or '-').replace('torch_', ''), '', 12)} {fmt(r.get('ratio'), '.3f', 8)}")
     lines.append("")
     lines.append(f"times in microseconds; fp4moe: CUDA-graph replays, L2 flushed by a "
                  f"{doc.get('fp4moe_l2_flush', 'write')} of 256 MiB (median, min); torch: eager, events, "
                  "median; fp4/peer < 1: fp4moe faster; '!': refcheck failed (never the best peer)")
+    lines.append("triton_mx4: " + triton_table_note(doc.get("triton_kernels") or {}))
     anchor_rows = [r for r in doc["rows"] if r.get("anchor")]
     if anchor_rows:
         comp = doc.get("anchor_comparison") or {}
@@ -869,6 +1168,28 @@ def build_table(doc):
     return "\n".join(lines)
 
 
+def triton_kernels_doc(args):
+    """The JSON's and the table's account of the triton_kernels row before it runs."""
+    if not args.triton_kernels:
+        return {"requested": False, "ok": False,
+                "reason": "not run: no --triton-kernels PATH (the python/triton_kernels folder of a triton checkout)"}
+    return {"requested": True, "ok": False, "path": args.triton_kernels, "expected": TRITON_KERNELS_EXPECTED,
+            "models": [m for m in args.model_list if triton_applies(PRESETS[m])],
+            "timing": "eager forward from (hidden states, logits): triton_kernels topk (softmax over the k), ragged "
+                      "metadata, matmul_ogs GEMM1 (gather, bias, fused swiglu_oai), matmul_ogs GEMM2 (bias, router "
+                      "weight, scatter-sum); routing inside the timed call; CUDA events per call, median"}
+
+
+def triton_unavailable(args, doc, rows, failures, msg):
+    """--triton-kernels was given but the package cannot be used: every gpt-oss row records why."""
+    log(f"triton_kernels: {msg}")
+    doc["triton_kernels"]["error"] = msg
+    failures.append(f"{TRITON_PEER}: {msg}")
+    for (m, _T), r in rows.items():
+        if triton_applies(PRESETS[m]):
+            r[f"{TRITON_PEER}_error"] = msg
+
+
 def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
     failures = []
@@ -883,6 +1204,7 @@ def main(argv=None):
            "reference_protocol": {"enabled": args.reference_protocol, "routing": REFPROTO_ROUTING,
                                   "timing": REFPROTO_TIMING} if args.reference_protocol else {"enabled": False},
            "ceilings": {}, "rows": []}
+    doc["triton_kernels"] = triton_kernels_doc(args)
 
     # The anchors first: the reference protocol is timed only at their (model, T).
     anchors_rows = {}
@@ -938,6 +1260,13 @@ def main(argv=None):
         doc["ceilings"]["torch"] = tc
         log(f"torch: copy {tc['copy_tbps']:.2f} TB/s, bf16 GEMM {tc['bf16_tflops']:.0f} TFLOP/s"
             + (f", fp8 GEMM {tc['fp8_tflops']:.0f} TFLOP/s" if tc.get("fp8_tflops") else ""))
+        if args.triton_kernels:
+            try:
+                args.tk = load_triton_kernels(args.triton_kernels)
+                doc["triton_kernels"]["ok"] = True
+                log(f"triton_kernels: loaded from {args.tk.path}")
+            except TritonKernelsError as e:
+                triton_unavailable(args, doc, rows, failures, str(e))
         for m in args.model_list:
             bench_torch_model(args, m, rows, failures, refproto_tokens.get(m, set()))
             torch.cuda.empty_cache()  # the model's weights are gone: hand their memory back
@@ -946,11 +1275,15 @@ def main(argv=None):
         log(msg)
         failures.append(msg)
         doc["torch_error"] = msg
+        if args.triton_kernels and args.tk is None and not doc["triton_kernels"].get("error"):
+            doc["triton_kernels"]["error"] = msg
         for (m, T), r in rows.items():
             for peer in args.peer_list:
                 r.setdefault(f"{peer}_error", msg)
                 if T in refproto_tokens.get(m, ()):
                     r.setdefault(f"{peer}_refproto_error", msg)
+            if args.triton_kernels and triton_applies(PRESETS[m]):
+                r.setdefault(f"{TRITON_PEER}_error", msg)
     doc.setdefault("gpu", None)
     doc.setdefault("sm_count", None)
 
@@ -979,7 +1312,7 @@ def main(argv=None):
         if tc and r.get("torch_experts_hit") is not None:
             r["floor_us_torch_ceilings"] = floor_model(p, T, r["torch_experts_hit"], tc["copy_tbps"], tc["bf16_tflops"])
         best = None
-        for peer in args.peer_list:
+        for peer in args.all_peers:
             v = r.get(f"{peer}_us")
             if v is None or r.get(f"{peer}_refcheck", {}).get("ok") is False:
                 continue
@@ -990,7 +1323,7 @@ def main(argv=None):
             if r.get("fp4moe_median_us"):
                 r["ratio"] = r["fp4moe_median_us"] / best[1]
         if r.get("floor_us"):
-            for peer in args.peer_list:
+            for peer in args.all_peers:
                 if r.get(f"{peer}_us"):
                     r[f"{peer}_pct_of_floor"] = 100.0 * r["floor_us"] / r[f"{peer}_us"]
         if key in anchors_rows:

@@ -30,7 +30,8 @@ using InArray = nb::ndarray<nb::ro>;  // the same, read-only accepted (inputs)
 constexpr int kDLCPU = 1, kDLCUDA = 2, kDLCUDAHost = 3;
 
 // ---- tensor checks ---------------------------------------------------------------------------------
-enum class Elem { BF16, F32, I32, Packed, E4M3, Bytes, F32OrBF16 };  // F32OrBF16: logits, outputs
+// F32OrBF16: logits, outputs; UE8M0: MXFP4 block scales (codes c, the scale 2^(c - 127))
+enum class Elem { BF16, F32, I32, Packed, E4M3, UE8M0, Bytes, F32OrBF16 };
 
 inline bool is(nb::dlpack::dtype d, Code code, int bits) { return d.code == uint8_t(code) && d.bits == bits && d.lanes == 1; }
 
@@ -41,6 +42,7 @@ inline bool matches(nb::dlpack::dtype d, Elem e) {
     case Elem::I32: return is(d, Code::Int, 32);
     case Elem::Packed: return is(d, Code::UInt, 8) || is(d, Code::Int, 8);
     case Elem::E4M3: return is(d, Code::Float8_E4M3FN, 8) || is(d, Code::UInt, 8);
+    case Elem::UE8M0: return is(d, Code::UInt, 8);
     case Elem::Bytes: return is(d, Code::UInt, 8) || is(d, Code::Int, 8);
     case Elem::F32OrBF16: return matches(d, Elem::F32) || matches(d, Elem::BF16);
   }
@@ -54,6 +56,7 @@ inline const char* expected_dtype(Elem e) {
     case Elem::I32: return "int32";
     case Elem::Packed: return "uint8 (two e2m1 codes per byte)";
     case Elem::E4M3: return "float8_e4m3fn (or its bits as uint8)";
+    case Elem::UE8M0: return "uint8 (ue8m0 codes c, the scale 2^(c - 127); float8_e8m0fnu as its bits)";
     case Elem::Bytes: return "uint8 or int8";
     case Elem::F32OrBF16: return "float32 or bfloat16 (or its bits as int16 / uint16)";
   }

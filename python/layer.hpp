@@ -53,14 +53,21 @@ struct HostWeights {
               const std::string& where = "Layer: weights") {
     const int64_t E = p.num_experts, H = p.hidden, I = p.inter, N13 = p.w13_rows();
     const bool w4a4 = p.act_quant != ActQuant::W4A16;
+    const bool mxfp4 = p.weight_format == WeightFormat::MXFP4;  // w4a16 only (MoeProblem::validate)
     const TensorCheck host{where, false, 0};
     static const std::set<std::string> known = {"w13", "w13_scale", "w13_scale_2", "w13_input_scale",
                                                 "w2",  "w2_scale",  "w2_scale_2",  "w2_input_scale",
                                                 "w13_input_scale_max", "w13_bias", "w2_bias"};
+    // MXFP4 has no global or input scales (docs/numerics.md, "MXFP4 weights"): one given is a mistake
+    // about the format, never silently dropped.
+    static const std::set<std::string> nvfp4_only = {"w13_scale_2", "w13_input_scale", "w2_scale_2",
+                                                     "w2_input_scale", "w13_input_scale_max"};
     for (auto [key, value] : weights) {
       const std::string k = nb::cast<std::string>(key);
       check(known.count(k) == 1, where, ": unknown key '", k, "' (expected w13, w13_scale, w13_scale_2, ",
             "w13_input_scale, w2, w2_scale, w2_scale_2, w2_input_scale, w13_input_scale_max, w13_bias, w2_bias)");
+      check(!mxfp4 || nvfp4_only.count(k) == 0, where, ": '", k, "' must be absent with weight_format mxfp4 (MXFP4 ",
+            "has no global or input scales: w13, w13_scale, w2, w2_scale and the optional biases only)");
     }
     auto get = [&](const char* name, bool required) -> std::optional<InArray> {
       if (!weights.contains(name)) {
@@ -75,9 +82,15 @@ struct HostWeights {
                                    nb::cast<std::string>(nb::str(value.type()))));
       return a;
     };
-    // Block scales: linear [rows..., cols/16], or the 128x4-swizzled bytes of fp4moe/format.hpp.
+    // Block scales: linear [rows..., cols/16], or the 128x4-swizzled bytes of fp4moe/format.hpp; MXFP4:
+    // ue8m0 codes, linear [rows..., cols/32] only.
     auto scales = [&](const char* name, int64_t rows, int64_t cols, const char* symbolic) -> const uint8_t* {
       const InArray a = *get(name, true);
+      if (mxfp4) {
+        check(!options.scales_swizzled, where, ": scales_swizzled is for NVFP4 e4m3 scales; mxfp4 ue8m0 scales ",
+              "come in the linear layout ", symbolic);
+        return static_cast<const uint8_t*>(host(a, name, Elem::UE8M0, {E, rows, cols / 32}, symbolic));
+      }
       if (!options.scales_swizzled)
         return static_cast<const uint8_t*>(host(a, name, Elem::E4M3, {E, rows, cols / 16}, symbolic));
       const int64_t bytes = format::swizzled_scales_size(E, rows, cols / 16);
@@ -94,13 +107,13 @@ struct HostWeights {
       return a ? static_cast<const float*>(host(*a, name, Elem::F32, {E}, "[E]")) : nullptr;
     };
     view.w13 = static_cast<const uint8_t*>(host(*get("w13", true), "w13", Elem::Packed, {E, N13, H / 2}, "[E, w13_rows, H/2]"));
-    view.w13_scale = scales("w13_scale", N13, H, "[E, w13_rows, H/16]");
-    view.w13_scale_2 = per_expert("w13_scale_2", true);
-    view.w13_input_scale = per_expert("w13_input_scale", w4a4);
+    view.w13_scale = scales("w13_scale", N13, H, mxfp4 ? "[E, w13_rows, H/32]" : "[E, w13_rows, H/16]");
+    view.w13_scale_2 = mxfp4 ? nullptr : per_expert("w13_scale_2", true);
+    view.w13_input_scale = mxfp4 ? nullptr : per_expert("w13_input_scale", w4a4);
     view.w2 = static_cast<const uint8_t*>(host(*get("w2", true), "w2", Elem::Packed, {E, H, I / 2}, "[E, H, I/2]"));
-    view.w2_scale = scales("w2_scale", H, I, "[E, H, I/16]");
-    view.w2_scale_2 = per_expert("w2_scale_2", true);
-    view.w2_input_scale = per_expert("w2_input_scale", w4a4);
+    view.w2_scale = scales("w2_scale", H, I, mxfp4 ? "[E, H, I/32]" : "[E, H, I/16]");
+    view.w2_scale_2 = mxfp4 ? nullptr : per_expert("w2_scale_2", true);
+    view.w2_input_scale = mxfp4 ? nullptr : per_expert("w2_input_scale", w4a4);
     // Optional expert biases (gpt-oss), float32.
     if (const std::optional<InArray> b = get("w13_bias", false))
       view.w13_bias = static_cast<const float*>(host(*b, "w13_bias", Elem::F32, {E, N13}, "[E, w13_rows]"));
@@ -152,6 +165,11 @@ class PreparedLayer {
       throw Error(std::string("Layer: ") + e.what());
     }
     const int64_t E = problem_.num_experts;
+    if (problem_.weight_format == WeightFormat::MXFP4) {  // NaN codes refused when the layer is built, as on cuda
+      const int64_t H = problem_.hidden, I = problem_.inter, N13 = problem_.w13_rows();
+      check_ue8m0(c.w13_scale, N13, H / format::kMxfp4BlockSize, "w13_scale (rows [gate; up])");
+      check_ue8m0(c.w2_scale, H, I / format::kMxfp4BlockSize, "w2_scale");
+    }
     w13_ = std::move(c.w13);
     w13_scale_ = std::move(c.w13_scale);
     w2_scale_ = std::move(c.w2_scale);
@@ -164,6 +182,13 @@ class PreparedLayer {
     w13_input_scale_ = copy(host.view.w13_input_scale);
     w2_input_scale_ = copy(host.view.w2_input_scale);
     w13_input_scale_max_ = host.view.w13_input_scale_max;
+  }
+
+  // An MXFP4 scale tensor [E, rows, blocks] without the ue8m0 NaN code 255.
+  static void check_ue8m0(const std::vector<uint8_t>& codes, int64_t rows, int64_t blocks, const char* name) {
+    const int64_t i = format::find_ue8m0_nan(codes.data(), int64_t(codes.size()));
+    check(i < 0, "Layer: ", name, ": ue8m0 block scale code 255 (NaN) at expert ", i / (rows * blocks), ", row ",
+          (i / blocks) % rows, ", block ", i % blocks, "; MXFP4 scales must be codes 0..254");
   }
 
   const MoeProblem& problem() const { return problem_; }
@@ -207,8 +232,11 @@ class PreparedLayer {
       router.topk_ids = a.topk_ids;
       router.topk_weights = a.topk_weights;
     }
-    reference::MoeWeights w{w13_.data(), w13_scale_.data(), w13_scale_2_.data(), w13_input_scale_.data(),
-                            w2_.data(),  w2_scale_.data(),  w2_scale_2_.data(),  w2_input_scale_.data(),
+    // MXFP4: no global or input scales (null pointers, reference::MoeWeights).
+    const bool mxfp4 = p.weight_format == WeightFormat::MXFP4;
+    auto vec = [mxfp4](const std::vector<float>& v) { return mxfp4 ? nullptr : v.data(); };
+    reference::MoeWeights w{w13_.data(), w13_scale_.data(), vec(w13_scale_2_), vec(w13_input_scale_),
+                            w2_.data(),  w2_scale_.data(),  vec(w2_scale_2_),  vec(w2_input_scale_),
                             w13_input_scale_max_};
     w.w13_bias = w13_bias_.empty() ? nullptr : w13_bias_.data();
     w.w2_bias = w2_bias_.empty() ? nullptr : w2_bias_.data();

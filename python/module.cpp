@@ -42,15 +42,23 @@ namespace {
 template <typename Weights>
 nb::dict weights_dict(const MoeProblem& p, Weights& w) {
   const size_t E = size_t(p.num_experts), H = size_t(p.hidden), I = size_t(p.inter), N13 = size_t(p.w13_rows());
+  // NVFP4: e4m3 bits per 16 K elements and the [E] global and input scales; MXFP4: ue8m0 codes per 32 and
+  // no [E] scales (reference::MoeWeights).
+  const size_t block = size_t(p.weight_block());
+  const bool mxfp4 = p.weight_format == WeightFormat::MXFP4;
   nb::dict d;
   d["w13"] = to_array(std::move(w.w13), {E, N13, H / 2});
-  d["w13_scale"] = to_array(std::move(w.w13_scale), {E, N13, H / 16});  // e4m3 bits
-  d["w13_scale_2"] = to_array(std::move(w.w13_scale_2), {E});
-  d["w13_input_scale"] = to_array(std::move(w.w13_input_scale), {E});
+  d["w13_scale"] = to_array(std::move(w.w13_scale), {E, N13, H / block});
+  if (!mxfp4) {
+    d["w13_scale_2"] = to_array(std::move(w.w13_scale_2), {E});
+    d["w13_input_scale"] = to_array(std::move(w.w13_input_scale), {E});
+  }
   d["w2"] = to_array(std::move(w.w2), {E, H, I / 2});
-  d["w2_scale"] = to_array(std::move(w.w2_scale), {E, H, I / 16});  // e4m3 bits
-  d["w2_scale_2"] = to_array(std::move(w.w2_scale_2), {E});
-  d["w2_input_scale"] = to_array(std::move(w.w2_input_scale), {E});
+  d["w2_scale"] = to_array(std::move(w.w2_scale), {E, H, I / block});
+  if (!mxfp4) {
+    d["w2_scale_2"] = to_array(std::move(w.w2_scale_2), {E});
+    d["w2_input_scale"] = to_array(std::move(w.w2_input_scale), {E});
+  }
   if constexpr (requires { w.w13_input_scale_max; })
     if (w.w13_input_scale_max > 0.0f) d["w13_input_scale_max"] = w.w13_input_scale_max;
   if constexpr (requires { w.w13_bias; }) {  // optional expert biases
@@ -106,6 +114,7 @@ nb::dict load_layer(const std::string& dir, int64_t layer, int ep_rank, int ep_s
   const size_t total = size_t(w.total_experts), H = size_t(p.hidden);
   nb::dict d;
   d["problem"] = p;
+  d["weight_format"] = std::string(to_string(p.weight_format));  // the checkpoint's: nvfp4 or mxfp4 (gpt-oss)
   d["layer_problem"] = layer_problem;
   d["layer"] = w.layer;
   d["total_experts"] = w.total_experts;
@@ -116,6 +125,8 @@ nb::dict load_layer(const std::string& dir, int64_t layer, int ep_rank, int ep_s
   d["inter_end"] = w.inter_end;
   d["router_weight"] = to_array(std::move(w.router_weight), {total, H});
   if (!w.routing_bias.empty()) d["routing_bias"] = to_array(std::move(w.routing_bias), {total});
+  // gpt-oss: the router's own bias, added to the logits (x . router_weight^T + router_bias).
+  if (!w.router_bias.empty()) d["router_bias"] = to_array(std::move(w.router_bias), {total});
   d["experts_rescaled"] = w.fusion.experts_rescaled;
   d["block_scales_changed"] = w.fusion.block_scales_changed;
   d["worst_relative_change"] = w.fusion.worst_relative_change;
@@ -155,7 +166,8 @@ nb::dict write_checkpoint_fixture(const std::string& dir, const std::string& fam
 MoeProblem make_problem(int64_t num_experts, int64_t hidden, int64_t inter, int top_k,
                         const std::string& routing_method, int n_group, int topk_group, float routed_scaling_factor,
                         bool apply_router_weight_on_input, bool skip_foreign_ids, const std::string& activation,
-                        float swiglu_alpha, float swiglu_beta, float swiglu_limit, const std::string& act_quant) {
+                        float swiglu_alpha, float swiglu_beta, float swiglu_limit, const std::string& act_quant,
+                        const std::string& weight_format) {
   MoeProblem p;
   p.num_experts = num_experts;
   p.hidden = hidden;
@@ -172,6 +184,7 @@ MoeProblem make_problem(int64_t num_experts, int64_t hidden, int64_t inter, int 
   p.activation.swiglu_beta = swiglu_beta;
   p.activation.swiglu_limit = swiglu_limit;
   p.act_quant = parse_act_quant(act_quant);
+  p.weight_format = parse_weight_format(weight_format);
   p.validate();
   return p;
 }
@@ -182,7 +195,7 @@ MoeProblem make_problem(int64_t num_experts, int64_t hidden, int64_t inter, int 
 NB_MODULE(_fp4moe, m) {
   using namespace fp4moe;
   using namespace fp4moe::python;
-  m.doc() = "fp4moe: NVFP4 Mixture-of-Experts layers on Hopper GPUs (and the CPU reference)";
+  m.doc() = "fp4moe: NVFP4 and MXFP4 Mixture-of-Experts layers on Hopper GPUs (and the CPU reference)";
   m.attr("__version__") = std::string(fp4moe_version());
   nb::exception<Error>(m, "Error", PyExc_ValueError);
 
@@ -192,16 +205,17 @@ NB_MODULE(_fp4moe, m) {
            [](MoeProblem* self, int64_t num_experts, int64_t hidden, int64_t inter, int top_k,
               const std::string& routing_method, int n_group, int topk_group, float routed_scaling_factor,
               bool apply_router_weight_on_input, bool skip_foreign_ids, const std::string& activation,
-              float swiglu_alpha, float swiglu_beta, float swiglu_limit, const std::string& act_quant) {
+              float swiglu_alpha, float swiglu_beta, float swiglu_limit, const std::string& act_quant,
+              const std::string& weight_format) {
              new (self) MoeProblem(make_problem(num_experts, hidden, inter, top_k, routing_method, n_group,
                                                 topk_group, routed_scaling_factor, apply_router_weight_on_input,
                                                 skip_foreign_ids, activation, swiglu_alpha, swiglu_beta, swiglu_limit,
-                                                act_quant));
+                                                act_quant, weight_format));
            },
            nb::kw_only(), "num_experts"_a, "hidden"_a, "inter"_a, "top_k"_a, "routing_method"_a = "renormalize",
            "n_group"_a = 1, "topk_group"_a = 1, "routed_scaling_factor"_a = 1.0f,
            "apply_router_weight_on_input"_a = false, "skip_foreign_ids"_a = false, "activation"_a = "swiglu", "swiglu_alpha"_a = 1.702f,
-           "swiglu_beta"_a = 1.0f, "swiglu_limit"_a = 7.0f, "act_quant"_a = "w4a16")
+           "swiglu_beta"_a = 1.0f, "swiglu_limit"_a = 7.0f, "act_quant"_a = "w4a16", "weight_format"_a = "nvfp4")
       .def_ro("num_experts", &MoeProblem::num_experts)
       .def_ro("hidden", &MoeProblem::hidden)
       .def_ro("inter", &MoeProblem::inter)
@@ -216,6 +230,10 @@ NB_MODULE(_fp4moe, m) {
       .def_prop_ro("total_experts", [](const MoeProblem& p) { return p.routing.total_experts; })
       .def_prop_ro("activation", [](const MoeProblem& p) { return std::string(to_string(p.activation.kind)); })
       .def_prop_ro("act_quant", [](const MoeProblem& p) { return std::string(to_string(p.act_quant)); })
+      .def_prop_ro("weight_format", [](const MoeProblem& p) { return std::string(to_string(p.weight_format)); },
+                   "The weights' 4-bit format: nvfp4 (e4m3 scales per 16, per-expert global scales) or mxfp4 "
+                   "(ue8m0 scales per 32, no global scale; w4a16 only).")
+      .def_prop_ro("weight_block", &MoeProblem::weight_block, "K elements per weight block scale: 16 or 32.")
       .def_prop_ro("w13_rows", &MoeProblem::w13_rows)
       .def("with_act_quant",
            [](const MoeProblem& p, const std::string& mode) {
@@ -225,6 +243,14 @@ NB_MODULE(_fp4moe, m) {
              return q;
            },
            "act_quant"_a, "The same problem with another quantization mode (w4a16, w4a4_scalar, w4a4_per_expert).")
+      .def("with_weight_format",
+           [](const MoeProblem& p, const std::string& format) {
+             MoeProblem q = p;
+             q.weight_format = parse_weight_format(format);
+             q.validate();
+             return q;
+           },
+           "weight_format"_a, "The same problem with another weight format (nvfp4, mxfp4; mxfp4 is w4a16 only).")
       .def("with_routing_method",
            [](const MoeProblem& p, const std::string& method) {
              MoeProblem q = p;
@@ -253,21 +279,24 @@ NB_MODULE(_fp4moe, m) {
   m.def("preset", [](const std::string& name, const std::string& act_quant) { return preset(name, parse_act_quant(act_quant)); },
         "name"_a, "act_quant"_a = "w4a16", "A model preset (docs/architecture.md, \"Interfaces\": deepseek-r1, qwen3-30b-a3b, ...).");
   m.def("preset_names", &preset_names);
+  m.def("preset_weight_format", [](const std::string& name) { return std::string(to_string(preset_weight_format(name))); },
+        "name"_a, "A preset's weight format: nvfp4, or mxfp4 (gpt-oss-120b, gpt-oss-20b; w4a16 only).");
   m.def("cuda_device_available", [] {
     std::string why;
     const bool ok = cuda_device_available(&why);
     return std::make_pair(ok, why);
   }, "(available, why not): an sm_90 device is visible and this build has the CUDA kernels.");
   m.def("random_case", &random_case, "problem"_a, "num_tokens"_a, "seed"_a = 1, "expert_biases"_a = false,
-        "Random NVFP4 weights and inputs for a problem (host arrays; bf16 as uint16 bits), with random "
-        "expert biases (w13_bias, w2_bias) when asked.");
+        "Random weights of the problem's weight_format (NVFP4, or MXFP4: ue8m0 scales, no [E] scales) and inputs "
+        "for a problem (host arrays; bf16 as uint16 bits), with random expert biases (w13_bias, w2_bias) when "
+        "asked.");
   m.def("load_layer", &load_layer, "checkpoint"_a, "layer"_a, nb::kw_only(), "ep_rank"_a = 0, "ep_size"_a = 1,
         "tp_rank"_a = 0, "tp_size"_a = 1, "fusion"_a = "rescale_to_max",
-        "One MoE layer of an NVFP4 checkpoint directory in the canonical layout (host arrays).");
+        "One MoE layer of a checkpoint directory (NVFP4, or gpt-oss MXFP4) in the canonical layout (host arrays).");
 
   m.def("tensor_parallel_shard", &tensor_parallel_shard, "problem"_a, "weights"_a, "rank"_a, "size"_a,
         "Rank `rank` of `size` of canonical weights: its share of the intermediate columns of every expert, in "
-        "whole 16-column blocks (host arrays).");
+        "whole blocks of weight_block (16 NVFP4, 32 MXFP4) columns (host arrays).");
   m.def("_write_checkpoint_fixture", &write_checkpoint_fixture, "dir"_a, "family"_a, "format"_a, "num_shards"_a = 2,
         "Tests only: a small random checkpoint in dir; returns {layer: the canonical weights it must load as}.");
 

@@ -1,4 +1,4 @@
-"""fp4moe: NVFP4 Mixture-of-Experts layers on Hopper GPUs (sm_90a), with the numerics of the
+"""fp4moe: NVFP4 and MXFP4 Mixture-of-Experts layers on Hopper GPUs (sm_90a), with the numerics of the
 Blackwell NVFP4 kernels (W4A4) or weight-only W4A16, and the CPU reference of the same contract.
 
     import fp4moe, torch
@@ -8,7 +8,10 @@ Blackwell NVFP4 kernels (W4A4) or weight-only W4A16, and the CPU reference of th
 
 `weights` maps the tensor names of docs/architecture.md, "Interfaces" (w13, w13_scale, w13_scale_2, w13_input_scale, w2,
 w2_scale, w2_scale_2, w2_input_scale) to arrays of any DLPack framework (torch, CuPy, NumPy, ...);
-`load_checkpoint_layer` reads them from an NVFP4 checkpoint. Tensors pass through DLPack without a
+`load_checkpoint_layer` reads them from a checkpoint. MXFP4 weights (gpt-oss; `problem.weight_format`
+"mxfp4", or `weight_format="mxfp4"` here; w4a16 only) are w13, w13_scale, w2, w2_scale with uint8
+ue8m0 scale codes of shape [E, w13_rows, H/32] and [E, H, I/32] (no *_scale_2, no input scales) and
+the optional biases. Tensors pass through DLPack without a
 copy. On "cuda" the forward launches on the caller's stream (torch's or CuPy's current stream unless
 `stream=` is given), allocates nothing but its outputs (none with `forward_into`) and never
 synchronises, so it can be captured in a CUDA graph. On "cpu" it runs the reference (slow, exact).
@@ -18,10 +21,13 @@ bits. PyTorch ops (torch.compile, CUDA graphs) are in fp4moe.torch_ops.
 """
 
 from . import _fp4moe
-from ._fp4moe import Error, Problem, __version__, cuda_device_available, preset, preset_names
+from ._fp4moe import Error, Problem, __version__, cuda_device_available, preset, preset_names, preset_weight_format
 
-__all__ = ["Error", "MoeLayer", "Problem", "Router", "__version__", "cuda_device_available", "load_checkpoint_layer",
-           "preset", "preset_names", "random_case", "tensor_parallel_shard"]
+__all__ = ["Error", "MoeLayer", "Problem", "Router", "WEIGHT_FORMATS", "__version__", "cuda_device_available",
+           "load_checkpoint_layer", "preset", "preset_names", "preset_weight_format", "random_case",
+           "tensor_parallel_shard"]
+
+WEIGHT_FORMATS = ("nvfp4", "mxfp4")
 
 
 # ---- frameworks: which one a tensor comes from, and how to allocate like it --------------------------
@@ -60,8 +66,8 @@ def _to_host(name, x):
     if framework == "torch":
         import torch
         x = x.detach().to("cpu").contiguous()
-        if x.dtype == torch.float8_e4m3fn:
-            x = x.view(torch.uint8)
+        if x.dtype == torch.float8_e4m3fn or x.dtype == getattr(torch, "float8_e8m0fnu", None):
+            x = x.view(torch.uint8)  # scale bits: e4m3 (NVFP4) or ue8m0 (MXFP4)
         return x
     if framework == "cupy":
         return x.get()
@@ -165,19 +171,25 @@ def _allocate_workspace(nbytes, index):
 
 
 class MoeLayer:
-    """One NVFP4 MoE layer with prepared weights on a device ("cuda", "cuda:N" or "cpu").
+    """One NVFP4 or MXFP4 MoE layer with prepared weights on a device ("cuda", "cuda:N" or "cpu").
 
     Weights are read once (any DLPack framework, host or device; device tensors are copied to the
     host first) and converted to the kernels' layout; `scales_swizzled` says the block scales come in
-    the 128x4-swizzled layout, `w13_up_gate` that w13's rows are [up; gate] (FlashInfer's order).
+    the 128x4-swizzled layout (NVFP4 only), `w13_up_gate` that w13's rows are [up; gate] (FlashInfer's
+    order). `weight_format` ("nvfp4" or "mxfp4"; default: the problem's, "nvfp4" unless the problem or
+    preset says otherwise) sets the weights' format: the layer's problem is then
+    problem.with_weight_format(weight_format). MXFP4 weights: w13 [E, w13_rows, H/2], w13_scale uint8
+    ue8m0 codes [E, w13_rows, H/32], w2 [E, H, I/2], w2_scale [E, H, I/32], optional biases; the
+    *_scale_2 and input scales must be absent; the mode is w4a16.
     A forward takes at most `max_tokens` tokens. The layer's own workspace serves one forward at a
     time; forwards of the same weights on several streams at once (e.g. two overlapped micro-batches)
     each pass their own workspace (`new_workspace()`) to `forward_into` / `__call__`.
     """
 
     def __init__(self, problem, weights, *, device="cuda", max_tokens=8192, scales_swizzled=False,
-                 w13_up_gate=False):
+                 w13_up_gate=False, weight_format=None):
         _check_problem("MoeLayer", problem)
+        problem = _with_weight_format("MoeLayer", problem, weight_format)
         max_tokens = _index("MoeLayer", "max_tokens", max_tokens)
         kind, index = _parse_device(device)
         host = {name: _to_host(name, value) for name, value in _weights_dict("MoeLayer", weights).items()}
@@ -319,6 +331,19 @@ def _check_problem(where, problem):
         raise Error(f"{where}: problem must be an fp4moe.Problem, got {_type_name(problem)}")
 
 
+def _with_weight_format(where, problem, weight_format):
+    """problem, or problem in weight_format ("nvfp4", "mxfp4"; None: the problem's own)."""
+    if weight_format is None or weight_format == problem.weight_format:
+        return problem
+    if weight_format not in WEIGHT_FORMATS:
+        raise Error(f"{where}: weight_format must be one of {', '.join(WEIGHT_FORMATS)} (or None: the problem's), "
+                    f"got {weight_format!r}")
+    try:
+        return problem.with_weight_format(weight_format)
+    except Error as e:
+        raise Error(f"{where}: weight_format {weight_format}: {e}") from None
+
+
 def _check_framework(where, framework):
     if framework not in ("numpy", "torch"):
         raise Error(f"{where}: framework must be 'numpy' or 'torch', got {framework!r}")
@@ -345,12 +370,16 @@ def _convert(value, framework, key=""):
 
 def load_checkpoint_layer(checkpoint, layer, *, ep_rank=0, ep_size=1, tp_rank=0, tp_size=1, fusion="rescale_to_max",
                           framework="numpy"):
-    """One MoE layer of an NVFP4 checkpoint directory (ModelOpt or compressed-tensors): a dict with
-    "problem" (Problem; for an expert-parallel rank its experts with precomputed routing and
-    skip_foreign_ids), "layer_problem" (the whole layer's, for routing), "weights" (host arrays for
-    MoeLayer; block scales as uint8 e4m3 bits; "w13_input_scale_max", the whole layer's, in w4a4),
+    """One MoE layer of a checkpoint directory (NVFP4: ModelOpt or compressed-tensors; MXFP4: gpt-oss):
+    a dict with "problem" (Problem; its weight_format the checkpoint's; for an expert-parallel rank its
+    experts with precomputed routing and skip_foreign_ids), "weight_format" ("nvfp4" or "mxfp4", the
+    same), "layer_problem" (the whole layer's, for routing), "weights" (host arrays for MoeLayer; NVFP4
+    block scales as uint8 e4m3 bits, "w13_input_scale_max", the whole layer's, in w4a4; MXFP4 uint8
+    ue8m0 codes, no [E] scales, the expert biases),
     "router_weight" [E_total, H] (bf16; uint16 bits in NumPy), "routing_bias" [E_total] when the
-    model has one, "expert_begin" / "expert_end" (this expert-parallel rank's global ids),
+    model has one (deepseek_v3's correction bias, MoeLayer's routing_bias), "router_bias" [E_total]
+    float32 for gpt-oss (the router's own bias: router_logits = x . router_weight^T + router_bias),
+    "expert_begin" / "expert_end" (this expert-parallel rank's global ids),
     "inter_begin" / "inter_end" of "total_inter" (this tensor-parallel rank's columns of I; see
     tensor_parallel_shard) and the w1/w3 scale-fusion report. `framework`: "numpy" or "torch" (CPU tensors)."""
     where = "load_checkpoint_layer"
@@ -373,8 +402,8 @@ def load_checkpoint_layer(checkpoint, layer, *, ep_rank=0, ep_size=1, tp_rank=0,
 
 def tensor_parallel_shard(problem, weights, rank, size, framework="numpy"):
     """Tensor parallelism: rank `rank` of `size` keeps a contiguous share of the intermediate columns of
-    every expert, in whole 16-column blocks (I/16 >= size; the first ranks hold one block more when
-    they do not divide evenly). Returns {"problem" (inter = the share), "weights", "inter_begin",
+    every expert, in whole blocks of problem.weight_block columns (16 NVFP4, 32 MXFP4; I/block >= size;
+    the first ranks hold one block more when they do not divide evenly). Returns {"problem" (inter = the share), "weights", "inter_begin",
     "inter_end"}. Each rank's layer is a plain MoE layer; the sum
     of the ranks' outputs is the whole layer's output, up to fp32 summation order and the bf16
     rounding of each rank's partial output (fp4moe.torch_ops.FusedMoE all-reduces it when given a
@@ -388,9 +417,14 @@ def tensor_parallel_shard(problem, weights, rank, size, framework="numpy"):
     return _convert(_fp4moe.tensor_parallel_shard(problem, host, rank, size), framework)
 
 
-def random_case(problem, num_tokens, seed=1, framework="numpy", expert_biases=False):
-    """Random NVFP4 weights and inputs for `problem` (host arrays): {"weights": {...}, "hidden_states"
+def random_case(problem, num_tokens, seed=1, framework="numpy", expert_biases=False, weight_format=None):
+    """Random weights and inputs for `problem` (host arrays): {"weights": {...}, "hidden_states"
     (bf16; uint16 bits in NumPy), "router_logits" or "topk_ids" / "topk_weights", "routing_bias" when
-    the method is deepseek_v3}. `framework`: "numpy" or "torch" (CPU tensors). expert_biases: the
-    weights also hold random "w13_bias" [E, w13_rows] and "w2_bias" [E, H] (float32, gpt-oss style)."""
+    the method is deepseek_v3}. The weights are of the problem's weight_format, or of `weight_format`
+    ("nvfp4", "mxfp4") when given: NVFP4 with e4m3 scales and the [E] scales, MXFP4 with uint8 ue8m0
+    codes [.., K/32] and no [E] scales. `framework`: "numpy" or "torch" (CPU tensors). expert_biases:
+    the weights also hold random "w13_bias" [E, w13_rows] and "w2_bias" [E, H] (float32, gpt-oss
+    style)."""
+    _check_problem("random_case", problem)
+    problem = _with_weight_format("random_case", problem, weight_format)
     return _convert(_fp4moe.random_case(problem, num_tokens, seed, expert_biases), framework)

@@ -99,7 +99,8 @@ def _tensor(name, x, optional=False):
 
 
 class FusedMoE(torch.nn.Module):
-    """An NVFP4 MoE layer as a torch module (weights prepared once; see fp4moe.MoeLayer).
+    """An NVFP4 or MXFP4 MoE layer as a torch module (weights prepared once; see fp4moe.MoeLayer, whose
+    weight_format argument this takes too: "mxfp4" for gpt-oss weights, w4a16 only).
 
     Tensor parallelism: give each rank its shard (fp4moe.tensor_parallel_shard, or
     fp4moe.load_checkpoint_layer(..., tp_rank=, tp_size=)) and the ranks' `process_group`: the output
@@ -118,7 +119,7 @@ class FusedMoE(torch.nn.Module):
 
     def __init__(self, problem, weights, *, device="cuda", max_tokens=8192, scales_swizzled=False,
                  w13_up_gate=False, process_group=None, expert_range=None, router_problem=None,
-                 reduce_dtype=torch.float32):
+                 reduce_dtype=torch.float32, weight_format=None):
         super().__init__()
         if reduce_dtype not in (torch.float32, torch.bfloat16):
             raise Error(f"FusedMoE: reduce_dtype must be torch.float32 or torch.bfloat16, got {reduce_dtype}")
@@ -135,7 +136,7 @@ class FusedMoE(torch.nn.Module):
             raise Error("FusedMoE: router_problem is for expert parallelism (with expert_range)")
         self.expert_range = expert_range
         self.layer = MoeLayer(problem, weights, device=device, max_tokens=max_tokens,
-                              scales_swizzled=scales_swizzled, w13_up_gate=w13_up_gate)
+                              scales_swizzled=scales_swizzled, w13_up_gate=w13_up_gate, weight_format=weight_format)
         # NOTE: plain Python values only in forward, so that torch.compile traces it without a graph break.
         self.handle = register_layer(self.layer)
         self.precomputed = self.layer.problem.routing_method == "precomputed"

@@ -501,6 +501,102 @@ def test_jax_ops_on_the_cpu_layer(cpu_case):
     cpu_case.good_call_is_right()
 
 
+
+# ---- MXFP4 weights (weight_format mxfp4) ------------------------------------------------------------
+MX_PROBLEM = fp4moe.Problem(num_experts=8, hidden=256, inter=128, top_k=2, activation="swiglu_oai",
+                            weight_format="mxfp4")
+# Weight mutations of an MXFP4 layer, each an fp4moe.Error whose message names `the argument` (None: the
+# message is not fixed by one name). "none" and "as_nvfp4_problem" (weight_format= on an NVFP4 problem)
+# are valid.
+MX_WEIGHT_KINDS = ["none", "as_nvfp4_problem", "scale_dtype", "nvfp4_scale_shape", "scale_rank", "nvfp4_key",
+                   "missing", "swizzled", "nan_code", "w4a4", "as_nvfp4", "bad_format", "bias_shape",
+                   "scale_strided"]
+
+
+@pytest.fixture(scope="module")
+def mx_cpu_case():
+    return Case(Numpy(), MX_PROBLEM, seed=5)
+
+
+@EXAMPLES
+@given(data=st.data())
+def test_cpu_mxfp4_layer_call(mx_cpu_case, data):
+    layer_call(mx_cpu_case.fw, mx_cpu_case, data.draw)
+    mx_cpu_case.good_call_is_right()
+
+
+def _mx_weights_call(case, kind, draw):
+    """(weights, MoeLayer keyword arguments, problem, the name the error must carry) for one mutation."""
+    w = dict(case.weights)
+    problem, options, name = MX_PROBLEM, {}, None
+    tensor = draw(st.sampled_from(["w13_scale", "w2_scale"]))
+    if kind == "as_nvfp4_problem":
+        problem, options = MX_PROBLEM.with_weight_format("nvfp4"), {"weight_format": "mxfp4"}
+    elif kind == "scale_dtype":
+        dtype = draw(st.sampled_from([np.int8, np.uint16, np.float32]))
+        w[tensor], name = w[tensor].astype(dtype), tensor
+    elif kind == "nvfp4_scale_shape":  # NVFP4's K/16 columns
+        v = w[tensor]
+        w[tensor], name = np.zeros(v.shape[:-1] + (2 * v.shape[-1],), np.uint8), tensor
+    elif kind == "scale_rank":
+        w[tensor], name = w[tensor].reshape(-1), tensor
+    elif kind == "nvfp4_key":
+        name = draw(st.sampled_from(["w13_scale_2", "w2_scale_2", "w13_input_scale", "w2_input_scale"]))
+        w[name] = np.ones(MX_PROBLEM.num_experts, np.float32)
+    elif kind == "missing":
+        name = draw(st.sampled_from(["w13", "w13_scale", "w2", "w2_scale"]))
+        del w[name]
+    elif kind == "swizzled":
+        options, name = {"scales_swizzled": True}, "scales_swizzled"
+    elif kind == "nan_code":
+        v = w[tensor].copy()
+        v.reshape(-1)[draw(st.integers(0, v.size - 1))] = 255
+        w[tensor], name = v, tensor
+    elif kind == "w4a4":
+        options, name = {"weight_format": "mxfp4"}, "act_quant"
+        problem = MX_PROBLEM.with_weight_format("nvfp4").with_act_quant(draw(st.sampled_from(
+            ["w4a4_scalar", "w4a4_per_expert"])))
+    elif kind == "as_nvfp4":
+        options, name = {"weight_format": "nvfp4"}, None  # MXFP4 tensors read as NVFP4
+    elif kind == "bad_format":
+        options, name = {"weight_format": draw(st.sampled_from(["MXFP4", "mxfp8", "", 4]))}, "weight_format"
+    elif kind == "bias_shape":
+        w["w2_bias"], name = np.zeros((MX_PROBLEM.num_experts, 3), np.float32), "w2_bias"
+    elif kind == "scale_strided":
+        v = w[tensor]
+        wide = np.zeros(v.shape[:-1] + (2 * v.shape[-1],), np.uint8)
+        wide[..., ::2] = v
+        w[tensor], name = wide[..., ::2], tensor
+    return w, options, problem, name
+
+
+@EXAMPLES
+@given(data=st.data())
+def test_cpu_mxfp4_weight_errors(mx_cpu_case, data):
+    """MoeLayer on MXFP4 weights with one wrong argument: an fp4moe.Error naming it (the MXFP4 shapes in
+    the shape messages), or, for the valid forms, the layer's right output."""
+    kind = data.draw(st.sampled_from(MX_WEIGHT_KINDS))
+    weights, options, problem, name = _mx_weights_call(mx_cpu_case, kind, data.draw)
+    case = mx_cpu_case
+    try:
+        layer = fp4moe.MoeLayer(problem, weights, device="cpu", max_tokens=MAX_TOKENS, **options)
+        out, ids, _ = layer(case.hidden, case.logits)
+    except fp4moe.Error as e:
+        assert kind not in ("none", "as_nvfp4_problem"), f"{kind}: {e}"
+        message = str(e)
+        if name is not None:
+            assert name in message, (kind, message)
+        if kind in ("nvfp4_scale_shape", "scale_rank"):
+            assert ("H/32" if name == "w13_scale" else "I/32") in message, message
+        if kind == "nan_code":
+            assert "255" in message, message
+        return
+    assert kind in ("none", "as_nvfp4_problem"), f"{kind}: no fp4moe.Error"
+    assert layer.problem.weight_format == "mxfp4"
+    np.testing.assert_array_equal(ids, case.ids)
+    np.testing.assert_array_equal(out, case.out)
+
+
 # ---- the cuda layer (gpu) ---------------------------------------------------------------------------
 def _torch_fw():
     torch = pytest.importorskip("torch")
@@ -573,6 +669,19 @@ def test_cuda_fused_moe_and_streams(gpu_case, data):
         with pytest.raises(fp4moe.Error, match="stream"):
             gpu_case.layer(x, logits, stream=bad)
     gpu_case.good_call_is_right()
+
+
+@pytest.fixture(scope="module")
+def mx_gpu_case():
+    return Case(_torch_fw(), MX_PROBLEM, seed=5)
+
+
+@pytest.mark.gpu
+@EXAMPLES
+@given(data=st.data())
+def test_cuda_mxfp4_layer_call(mx_gpu_case, data):
+    layer_call(mx_gpu_case.fw, mx_gpu_case, data.draw)
+    mx_gpu_case.good_call_is_right()
 
 
 @pytest.mark.gpu

@@ -384,3 +384,217 @@ def test_package_has_type_stubs():
     assert (package / "py.typed").exists()
     stub = (package / "_fp4moe.pyi").read_text()
     assert "class MoeLayer" not in stub and "class Layer" in stub and "def preset(" in stub
+
+
+# ---- MXFP4 weights (gpt-oss; docs/numerics.md, "MXFP4 weights") ------------------------------------
+MX_PROBLEM = fp4moe.Problem(num_experts=8, hidden=256, inter=128, top_k=2, activation="swiglu_oai",
+                            weight_format="mxfp4")
+
+
+def dequantize_mxfp4(packed, codes):
+    """[E, rows, cols/2] e2m1 pairs and [E, rows, cols/32] ue8m0 codes -> [E, rows, cols] values q * 2^(c-127)."""
+    values = np.stack([packed & 0xF, packed >> 4], axis=-1).reshape(*packed.shape[:-1], -1)
+    return E2M1[values] * np.repeat(np.ldexp(1.0, codes.astype(np.int64) - 127), 32, axis=-1)
+
+
+def numpy_moe_mxfp4(problem, case, alpha=1.702, beta=1.0, limit=7.0):
+    """Renormalize routing, w4a16 with MXFP4 weights (no global scale), the expert biases and the
+    activation (swiglu, or swiglu_oai: gate clamped above at limit, up to [-limit, limit],
+    gate * sigmoid(alpha * gate) * (up + beta)), in fp64 with the contract's bf16 roundings."""
+    assert problem.routing_method == "renormalize" and problem.weight_format == "mxfp4"
+    w = case["weights"]
+    w13 = dequantize_mxfp4(w["w13"], w["w13_scale"])
+    w2 = dequantize_mxfp4(w["w2"], w["w2_scale"])
+    x = bf16_bits_to_float(case["hidden_states"])
+    logits = case["router_logits"].astype(np.float64)
+    k, inter = problem.top_k, problem.inter
+    ids = np.argsort(-logits, axis=1, kind="stable")[:, :k]
+    top = np.take_along_axis(logits, ids, axis=1)
+    weights = np.exp(top - top.max(axis=1, keepdims=True))
+    weights /= weights.sum(axis=1, keepdims=True)
+    b13 = w.get("w13_bias", np.zeros(w13.shape[:2]))
+    b2 = w.get("w2_bias", np.zeros(w2.shape[:2]))
+    out = np.zeros((x.shape[0], problem.hidden))
+    for t in range(x.shape[0]):
+        for j in range(k):
+            e = ids[t, j]
+            h = w13[e] @ x[t] + b13[e]
+            gate, up = h[:inter], h[inter:]
+            if problem.activation == "swiglu_oai":
+                gate, up = np.minimum(gate, limit), np.clip(up, -limit, limit)
+                act = gate / (1 + np.exp(-alpha * gate)) * (up + beta)
+            else:
+                act = gate / (1 + np.exp(-gate)) * up
+            out[t] += weights[t, j] * (w2[e] @ bf16_round(act) + b2[e])
+    return bf16_round(out), ids.astype(np.int32), weights
+
+
+def test_mxfp4_problems_and_presets():
+    assert MX_PROBLEM.weight_format == "mxfp4" and MX_PROBLEM.weight_block == 32
+    assert fp4moe.preset("tiny").weight_format == "nvfp4" and fp4moe.preset("tiny").weight_block == 16
+    assert "weights=mxfp4" in repr(MX_PROBLEM)
+    for name, experts in (("gpt-oss-120b", 128), ("gpt-oss-20b", 32)):
+        p = fp4moe.preset(name)
+        assert p.weight_format == "mxfp4" == fp4moe.preset_weight_format(name)
+        assert (p.num_experts, p.hidden, p.inter, p.top_k, p.activation) == (experts, 2880, 2880, 4, "swiglu_oai")
+        with pytest.raises(fp4moe.Error, match="mxfp4 weights, which run in mode w4a16 only"):
+            fp4moe.preset(name, act_quant="w4a4_scalar")
+    assert fp4moe.preset_weight_format("gpt-oss-120b-nvfp4") == "nvfp4"
+    nv = fp4moe.preset("tiny")
+    assert nv.with_weight_format("mxfp4").weight_format == "mxfp4"
+    assert MX_PROBLEM.with_weight_format("nvfp4").weight_format == "nvfp4"
+    for mode in ("w4a4_scalar", "w4a4_per_expert"):
+        with pytest.raises(fp4moe.Error, match="act_quant must be w4a16 with mxfp4 weights"):
+            fp4moe.Problem(num_experts=8, hidden=256, inter=128, top_k=2, weight_format="mxfp4", act_quant=mode)
+        with pytest.raises(fp4moe.Error, match="act_quant must be w4a16 with mxfp4 weights"):
+            MX_PROBLEM.with_act_quant(mode)
+        with pytest.raises(fp4moe.Error, match="act_quant must be w4a16 with mxfp4 weights"):
+            fp4moe.preset("tiny", act_quant=mode).with_weight_format("mxfp4")
+    with pytest.raises(fp4moe.Error, match="hidden .* multiple of 32 with mxfp4"):
+        fp4moe.Problem(num_experts=8, hidden=272, inter=128, top_k=2, weight_format="mxfp4")
+    with pytest.raises(fp4moe.Error, match="weight_format"):
+        fp4moe.Problem(num_experts=8, hidden=256, inter=128, top_k=2, weight_format="mxfp8")
+
+
+def test_random_mxfp4_case_has_the_mxfp4_tensors():
+    case = fp4moe.random_case(MX_PROBLEM, 2, seed=3, expert_biases=True)
+    w = case["weights"]
+    assert sorted(w) == ["w13", "w13_bias", "w13_scale", "w2", "w2_bias", "w2_scale"]
+    E, H, I, N13 = MX_PROBLEM.num_experts, MX_PROBLEM.hidden, MX_PROBLEM.inter, MX_PROBLEM.w13_rows
+    assert w["w13"].shape == (E, N13, H // 2) and w["w2"].shape == (E, H, I // 2)
+    assert w["w13_scale"].shape == (E, N13, H // 32) and w["w2_scale"].shape == (E, H, I // 32)
+    assert w["w13_scale"].dtype == np.uint8 and (w["w13_scale"] != 255).all()
+    # weight_format= on an NVFP4 problem draws the MXFP4 tensors too.
+    other = fp4moe.random_case(fp4moe.preset("tiny"), 2, seed=3, weight_format="mxfp4")["weights"]
+    assert other["w2_scale"].shape == (8, 256, 128 // 32) and "w2_scale_2" not in other
+
+
+@pytest.mark.parametrize("activation", ["swiglu_oai", "swiglu"])
+@pytest.mark.parametrize("tokens", [1, 5, 17])
+def test_cpu_mxfp4_layer_matches_numpy_dequantize_then_compute(activation, tokens):
+    problem = fp4moe.Problem(num_experts=8, hidden=256, inter=128, top_k=2, activation=activation,
+                             weight_format="mxfp4")
+    case = fp4moe.random_case(problem, tokens, seed=300 + tokens, expert_biases=True)
+    layer = fp4moe.MoeLayer(problem, case["weights"], device="cpu", max_tokens=32)
+    assert layer.problem.weight_format == "mxfp4"
+    output, ids, weights = layer(case["hidden_states"], case["router_logits"])
+    ref_out, ref_ids, ref_weights = numpy_moe_mxfp4(problem, case)
+    np.testing.assert_array_equal(ids, ref_ids)
+    np.testing.assert_allclose(weights, ref_weights, rtol=1e-6)
+    expect_layer_close(bf16_bits_to_float(output), ref_out, f"mxfp4 {activation} T={tokens}")
+
+
+def test_weight_format_argument_sets_the_layers_format():
+    case = fp4moe.random_case(MX_PROBLEM, 6, seed=12, expert_biases=True)
+    want, _, _ = fp4moe.MoeLayer(MX_PROBLEM, case["weights"], device="cpu", max_tokens=8)(
+        case["hidden_states"], case["router_logits"])
+    nv = MX_PROBLEM.with_weight_format("nvfp4")
+    layer = fp4moe.MoeLayer(nv, case["weights"], device="cpu", max_tokens=8, weight_format="mxfp4")
+    assert layer.problem.weight_format == "mxfp4"
+    got, _, _ = layer(case["hidden_states"], case["router_logits"])
+    np.testing.assert_array_equal(got, want)
+    # MXFP4 tensors read as NVFP4: the scales' shape says so.
+    with pytest.raises(fp4moe.Error, match=r"w13_scale: expected shape \[E, w13_rows, H/16\]"):
+        fp4moe.MoeLayer(MX_PROBLEM, case["weights"], device="cpu", max_tokens=8, weight_format="nvfp4")
+    with pytest.raises(fp4moe.Error, match="weight_format must be one of nvfp4, mxfp4"):
+        fp4moe.MoeLayer(MX_PROBLEM, case["weights"], device="cpu", max_tokens=8, weight_format="MXFP4")
+    with pytest.raises(fp4moe.Error, match="weight_format mxfp4: .*act_quant must be w4a16"):
+        fp4moe.MoeLayer(fp4moe.preset("tiny", act_quant="w4a4_scalar"), case["weights"], device="cpu", max_tokens=8,
+                        weight_format="mxfp4")
+
+
+def test_mxfp4_errors_name_the_argument_and_the_mxfp4_shape():
+    case = fp4moe.random_case(MX_PROBLEM, 4, seed=13)
+    w = case["weights"]
+    nv = fp4moe.random_case(fp4moe.preset("tiny"), 4, seed=13)["weights"]
+
+    def layer(weights, **options):
+        return fp4moe.MoeLayer(MX_PROBLEM, weights, device="cpu", max_tokens=8, **options)
+    with pytest.raises(fp4moe.Error, match=r"w13_scale: expected shape \[E, w13_rows, H/32\] = \[8, 256, 8\], "
+                                           r"got \[8, 256, 16\]"):
+        layer(dict(w, w13_scale=nv["w13_scale"]))  # NVFP4's [E, w13_rows, H/16]
+    with pytest.raises(fp4moe.Error, match=r"w2_scale: expected shape \[E, H, I/32\] = \[8, 256, 4\], got \[8, 256\]"):
+        layer(dict(w, w2_scale=w["w2_scale"][:, :, 0].copy()))
+    with pytest.raises(fp4moe.Error, match=r"w2_scale: expected dtype uint8 \(ue8m0 codes"):
+        layer(dict(w, w2_scale=w["w2_scale"].astype(np.int8)))
+    for extra in ("w13_scale_2", "w2_scale_2", "w13_input_scale", "w2_input_scale"):
+        with pytest.raises(fp4moe.Error, match=f"'{extra}' must be absent with weight_format mxfp4"):
+            layer(dict(w, **{extra: nv[extra]}))
+    with pytest.raises(fp4moe.Error, match="'w13_input_scale_max' must be absent with weight_format mxfp4"):
+        layer(dict(w, w13_input_scale_max=1.0))
+    with pytest.raises(fp4moe.Error, match="scales_swizzled is for NVFP4 e4m3 scales"):
+        layer(w, scales_swizzled=True)
+    with pytest.raises(fp4moe.Error, match="'w2_scale' is missing"):
+        layer({n: v for n, v in w.items() if n != "w2_scale"})
+    bad = w["w13_scale"].copy()
+    bad[2, 5, 1] = 255
+    with pytest.raises(fp4moe.Error, match=r"w13_scale .*: ue8m0 block scale code 255 \(NaN\) at expert 2, row 5, "
+                                           r"block 1"):
+        layer(dict(w, w13_scale=bad))  # when the layer is built, as on cuda
+
+
+def test_mxfp4_tensor_parallel_shards_sum_to_the_layer():
+    case = fp4moe.random_case(MX_PROBLEM, 11, seed=22, expert_biases=True)
+    w, inter = case["weights"], MX_PROBLEM.inter
+    full, _, _ = fp4moe.MoeLayer(MX_PROBLEM, w, device="cpu", max_tokens=16)(case["hidden_states"],
+                                                                            case["router_logits"])
+    total = np.zeros(full.shape)
+    for rank in range(2):  # whole 32-column blocks: 64 columns each
+        shard = fp4moe.tensor_parallel_shard(MX_PROBLEM, w, rank, 2)
+        begin, end = shard["inter_begin"], shard["inter_end"]
+        assert (begin, end) == (64 * rank, 64 * (rank + 1)) and shard["problem"].weight_format == "mxfp4"
+        sw = shard["weights"]
+        assert "w2_scale_2" not in sw
+        np.testing.assert_array_equal(sw["w2_scale"], w["w2_scale"][:, :, begin // 32:end // 32])
+        out, _, _ = fp4moe.MoeLayer(shard["problem"], sw, device="cpu", max_tokens=16)(
+            case["hidden_states"], case["router_logits"])
+        total += bf16_bits_to_float(out)
+    ref = bf16_bits_to_float(full)
+    assert np.linalg.norm(total - ref) <= 5e-3 * np.linalg.norm(ref)
+    with pytest.raises(fp4moe.Error, match="32"):
+        fp4moe.tensor_parallel_shard(MX_PROBLEM, w, 0, 5)  # I / 32 = 4 blocks
+
+
+def test_mxfp4_expert_parallel_ranks_sum_to_the_layer():
+    case = fp4moe.random_case(MX_PROBLEM, 19, seed=32, expert_biases=True)
+    w = case["weights"]
+    full, ids, weights = fp4moe.MoeLayer(MX_PROBLEM, w, device="cpu", max_tokens=32)(
+        case["hidden_states"], case["router_logits"])
+    total = np.zeros(full.shape)
+    for begin, end in [(0, 5), (5, 8)]:
+        local = {name: value[begin:end] for name, value in w.items()}
+        rank = fp4moe.MoeLayer(MX_PROBLEM.expert_parallel_rank(end - begin), local, device="cpu", max_tokens=32)
+        local_ids = np.where((ids >= begin) & (ids < end), ids - begin, -1).astype(np.int32)
+        out, _, _ = rank(case["hidden_states"], topk_ids=local_ids, topk_weights=weights)
+        total += bf16_bits_to_float(out)
+    ref = bf16_bits_to_float(full)
+    assert np.linalg.norm(total - ref) <= 5e-3 * np.linalg.norm(ref)
+
+
+def test_load_gpt_oss_checkpoint_layer(tmp_path):
+    """A gpt-oss MXFP4 checkpoint (the fixture of io::write_fixture): the layer comes back as MXFP4 with
+    its expert biases and router bias, and runs as the cpu layer against the NumPy model."""
+    expected = fp4moe._fp4moe._write_checkpoint_fixture(str(tmp_path), "gpt_oss", "mxfp4")
+    for layer, weights in expected.items():
+        loaded = fp4moe.load_checkpoint_layer(tmp_path, layer)
+        problem = loaded["problem"]
+        assert loaded["weight_format"] == problem.weight_format == "mxfp4" and problem.act_quant == "w4a16"
+        assert problem.activation == "swiglu_oai" and problem.routing_method == "renormalize"
+        w = loaded["weights"]
+        assert sorted(w) == ["w13", "w13_bias", "w13_scale", "w2", "w2_bias", "w2_scale"]
+        assert w["w13_scale"].shape == (problem.num_experts, problem.w13_rows, problem.hidden // 32)
+        for name, value in weights.items():
+            np.testing.assert_array_equal(w[name], np.asarray(value), err_msg=name)
+        assert loaded["router_bias"].shape == (loaded["total_experts"],) and "routing_bias" not in loaded
+        x = fp4moe.random_case(problem, 4, seed=layer)["hidden_states"]
+        logits = (bf16_bits_to_float(x) @ bf16_bits_to_float(loaded["router_weight"]).T
+                  + loaded["router_bias"]).astype(np.float32)
+        out, _, _ = fp4moe.MoeLayer(problem, w, device="cpu", max_tokens=8)(x, logits)
+        ref, _, _ = numpy_moe_mxfp4(problem, {"weights": w, "hidden_states": x, "router_logits": logits})
+        expect_layer_close(bf16_bits_to_float(out), ref, f"gpt-oss layer {layer}")
+    layer = next(iter(expected))
+    half = fp4moe.load_checkpoint_layer(tmp_path, layer, ep_rank=1, ep_size=2)
+    assert half["weight_format"] == "mxfp4" and half["problem"].weight_format == "mxfp4"
+    assert half["layer_problem"].weight_format == "mxfp4"
+    tp = fp4moe.load_checkpoint_layer(tmp_path, layer, tp_rank=0, tp_size=1)
+    np.testing.assert_array_equal(tp["weights"]["w2_scale"], np.asarray(expected[layer]["w2_scale"]))

@@ -26,6 +26,10 @@ PROBLEMS = {
     "llama4-top1": fp4moe.Problem(num_experts=8, hidden=512, inter=256, top_k=1, routing_method="llama4",
                                   apply_router_weight_on_input=True),
     "swiglu_oai-padded": fp4moe.Problem(num_experts=8, hidden=720, inter=720, top_k=2, activation="swiglu_oai"),
+    # MXFP4 weights (gpt-oss): the GPU runs their exact NVFP4 equivalent; H / 32 and I / 32 odd.
+    "mxfp4-swiglu_oai": fp4moe.Problem(num_experts=8, hidden=1088, inter=544, top_k=2, activation="swiglu_oai",
+                                       weight_format="mxfp4"),
+    "mxfp4-swiglu": fp4moe.Problem(num_experts=16, hidden=512, inter=256, top_k=4, weight_format="mxfp4"),
 }
 
 
@@ -88,7 +92,7 @@ def test_bf16_logits_and_precomputed_routing():
     assert torch.equal(out_routed, out_bf16)
 
 
-@pytest.mark.parametrize("name", ["swiglu_oai-padded", "tiny-w4a4_scalar", "llama4-top1"])
+@pytest.mark.parametrize("name", ["swiglu_oai-padded", "tiny-w4a4_scalar", "llama4-top1", "mxfp4-swiglu_oai"])
 def test_expert_biases_match_the_cpu_layer(name):
     problem = PROBLEMS[name]
     case = fp4moe.random_case(problem, 41, seed=77, framework="torch", expert_biases=True)
@@ -156,6 +160,55 @@ def test_torch_ops_opcheck_compile_and_graph():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(static_out, moe(other["hidden_states"], other["router_logits"], bias))
+
+
+def test_mxfp4_fused_moe_weight_format_and_graph():
+    """FusedMoE with weight_format="mxfp4" on an NVFP4-format problem: the MXFP4 layer, against the cpu
+    layer, through torch.compile and a CUDA graph; float8_e8m0fnu scales (torch's ue8m0) read as their bits."""
+    problem = PROBLEMS["mxfp4-swiglu_oai"]
+    case = fp4moe.random_case(problem, 37, seed=9, framework="torch", expert_biases=True)
+    weights = dict(case["weights"])
+    if hasattr(torch, "float8_e8m0fnu"):
+        weights["w2_scale"] = weights["w2_scale"].view(torch.float8_e8m0fnu).to(DEVICE)
+    moe = FusedMoE(problem.with_weight_format("nvfp4"), weights, device=DEVICE, max_tokens=64, weight_format="mxfp4")
+    assert moe.problem.weight_format == "mxfp4"
+    cpu = fp4moe.MoeLayer(problem, case["weights"], device="cpu", max_tokens=64)
+    ref, _, _ = cpu(case["hidden_states"], case["router_logits"])
+    inputs = to_device(case)
+    x, logits = inputs["hidden_states"], inputs["router_logits"]
+    eager = moe(x, logits)
+    expect_close(eager, ref, "mxfp4 FusedMoE")
+    compiled = torch.compile(moe, backend="aot_eager", fullgraph=True)
+    assert torch.equal(compiled(x, logits), eager)
+    static_x, static_logits = x.clone(), logits.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        moe(static_x, static_logits)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = moe(static_x, static_logits)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(static_out, eager)
+    with pytest.raises(fp4moe.Error, match="act_quant must be w4a16 with mxfp4"):
+        FusedMoE(fp4moe.preset("tiny", act_quant="w4a4_scalar"), case["weights"], device=DEVICE, max_tokens=8,
+                 weight_format="mxfp4")
+
+
+def test_mxfp4_codes_the_gpu_cannot_take_are_an_error():
+    """The GPU runs MXFP4 as NVFP4: one expert's codes may span at most 18 powers of two (docs/numerics.md,
+    "MXFP4 weights"); wider is an fp4moe.Error at preparation naming the tensor, the cpu layer takes it."""
+    problem = PROBLEMS["mxfp4-swiglu"]
+    case = fp4moe.random_case(problem, 3, seed=10, framework="torch")
+    w = dict(case["weights"])
+    scale = w["w13_scale"].clone()
+    scale[1, 0, 0], scale[1, 0, 1] = 100, 140
+    w["w13_scale"] = scale
+    fp4moe.MoeLayer(problem, w, device="cpu", max_tokens=8)
+    with pytest.raises(fp4moe.Error, match="w13_scale"):
+        fp4moe.MoeLayer(problem, w, device=DEVICE, max_tokens=8)
 
 
 def test_routed_op_and_cpu_op():
