@@ -30,12 +30,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from targets import DECODE_RATIO, DECODE_SLACK_US, classify  # noqa: E402  (the targets' one definition)
 
 # Presets with a gated activation (GEMM1 has 2I rows): FLOPs split 2/3 : 1/3 between the GEMMs.
-GATED = {"deepseek-r1", "qwen3-30b-a3b", "qwen3-235b-a22b", "llama4-scout", "gpt-oss-120b", "kimi-k2",
-         "glm-4.6", "qwen3-next-80b-a3b"}
+GATED = {"deepseek-r1", "qwen3-30b-a3b", "qwen3-235b-a22b", "llama4-scout", "gpt-oss-120b", "gpt-oss-20b",
+         "gpt-oss-120b-nvfp4", "kimi-k2", "glm-4.6", "qwen3-next-80b-a3b"}
 OTHER_STAGES = ("route", "quantize", "permute", "finalize")
 # Routed experts per token of the presets (format/presets.cpp): token rows per hit expert = T * k / hit.
 TOP_K = {"deepseek-r1": 8, "qwen3-30b-a3b": 8, "qwen3-235b-a22b": 8, "llama4-scout": 1, "gpt-oss-120b": 4,
-         "kimi-k2": 8, "glm-4.6": 8, "qwen3-next-80b-a3b": 10}
+         "gpt-oss-20b": 4, "gpt-oss-120b-nvfp4": 4, "kimi-k2": 8, "glm-4.6": 8, "qwen3-next-80b-a3b": 10}
 
 
 def gemm_tflops(row, stage, share):

@@ -28,6 +28,7 @@ from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter, NullLo
 PEERS = [
     ("torch_bf16", "torch bf16 (_grouped_mm, eager)", "tab:blue", "s"),
     ("torch_fp8", "torch fp8 (_scaled_grouped_mm, eager)", "tab:orange", "^"),
+    ("triton_mxfp4", "triton_kernels MXFP4 (matmul_ogs, vLLM's gpt-oss path)", "tab:green", "D"),
 ]
 ANCHOR_COLOURS = ["tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan", "tab:gray"]
 # Anchor columns that are not a time of a peer implementation.

@@ -43,7 +43,10 @@ void add_tune_command(CLI::App& app, TuneOptions& o) {
                 "Tune only the buckets of these token counts, comma-separated, e.g. 512,1024 (profiling; instead of "
                 "--max-tokens)")
       ->excludes(max_tokens);
-  c->add_option("--mode", o.mode, "w4a16, w4a4_scalar or w4a4_per_expert (profiling)")->capture_default_str();
+  c->add_option("--mode", o.mode,
+                "w4a16, w4a4_scalar or w4a4_per_expert (profiling); MXFP4 weights (gpt-oss-120b, gpt-oss-20b) run "
+                "w4a16 only, which is their mode when --mode is not given")
+      ->capture_default_str();
   c->add_option("--cache", o.cache, "Tune cache file (default: FP4MOE_TUNE_CACHE, else ./fp4moe-tune-cache.json)");
   c->add_option("--l2-flush", o.l2_flush,
                 "How each replay's weights are made cold, as in `fp4moe bench` (profiling): read or write")
@@ -100,8 +103,14 @@ int show_tune_cache(const std::string& path) {
 int run_tune_profile(const TuneOptions& o) {
   check(!o.models.empty(), "tune: --model PRESET[,PRESET] is required (or --show)");
   const std::vector<std::string> models = split_list(o.models);
-  const ActQuant mode = parse_act_quant(o.mode, "--mode");
-  for (const std::string& m : models) (void)preset(m, mode);  // unknown names fail before any GPU work
+  const ActQuant given_mode = parse_act_quant(o.mode, "--mode");
+  // NOTE: as in `fp4moe bench`: MXFP4 weights have one mode (w4a16), theirs when --mode is not given; an
+  // explicit other mode is preset()'s error naming the preset.
+  const bool mode_given = o.command != nullptr && o.command->count("--mode") > 0;
+  auto mode_for = [&](const std::string& m) {
+    return !mode_given && preset_weight_format(m) == WeightFormat::MXFP4 ? ActQuant::W4A16 : given_mode;
+  };
+  for (const std::string& m : models) (void)preset(m, mode_for(m));  // unknown names fail before any GPU work
   TuneProfileOptions po;
   po.max_tokens = o.max_tokens;
   po.l2_flush = parse_l2_flush(o.l2_flush, "--l2-flush");
@@ -121,6 +130,7 @@ int run_tune_profile(const TuneOptions& o) {
   }
   for (const std::string& m : models) {
     const auto t0 = std::chrono::steady_clock::now();
+    const ActQuant mode = mode_for(m);
     const std::vector<TuneEntry> entries = tune_problem(m, preset(m, mode), po);
     int changed = 0;
     for (const TuneEntry& e : entries) {
