@@ -1,6 +1,6 @@
 // reference/parallel.hpp — the thread helper of the CPU reference (and of io/random_packed_case.cpp).
 //
-// parallel_for(n, fn) runs fn(item, worker) for item in [0, n) on min(n, hardware_concurrency)
+// parallel_for(n, fn) runs fn(item, worker) for item in [0, n) on min(n, max_workers())
 // std::threads that take items from a shared atomic counter (dynamic scheduling). `worker` is in
 // [0, workers) and lets the caller keep per-thread scratch buffers. The first exception thrown by any
 // item is rethrown on the calling thread after every thread has joined; the other items still run or
@@ -18,10 +18,28 @@
 
 namespace fp4moe::reference::detail {
 
+// The most workers a parallel_for of the calling thread uses; 0: hardware_concurrency. A caller that runs
+// many small references at once on threads of its own (fp4moe soak) makes each of them serial with
+// SerialScope: one problem per core uses the cores better than small problems split over all of them.
+inline thread_local int worker_limit = 0;
+
 inline int max_workers() {
+  if (worker_limit > 0) return worker_limit;
   const unsigned hc = std::thread::hardware_concurrency();
   return hc == 0 ? 1 : static_cast<int>(hc);
 }
+
+// parallel_for runs on the calling thread alone while one lives.
+class SerialScope {
+ public:
+  SerialScope() : saved_(worker_limit) { worker_limit = 1; }
+  ~SerialScope() { worker_limit = saved_; }
+  SerialScope(const SerialScope&) = delete;
+  SerialScope& operator=(const SerialScope&) = delete;
+
+ private:
+  int saved_;
+};
 
 // Number of workers parallel_for uses for n items.
 inline int workers_for(int64_t n) {

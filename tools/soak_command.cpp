@@ -1,19 +1,25 @@
 // tools/soak_command.cpp — `fp4moe soak` (tools/soak_command.hpp).
 #include "tools/soak_command.hpp"
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
 #include <filesystem>
+#include <exception>
 #include <fstream>
+#include <map>
 #include <mutex>
+#include <optional>
 #include <thread>
+#include <vector>
 
 #include "fp4moe/error.hpp"
 #include "fp4moe/bench.hpp"
 #include "fp4moe/presets.hpp"
 #include "fp4moe/runner.hpp"
+#include "reference/parallel.hpp"
 #include "tools/soak_problem.hpp"
 
 namespace fp4moe::tools {
@@ -60,6 +66,92 @@ bool gpu_still_works(std::string* why) {
     return false;
   }
 }
+
+// The problems' cases and reference outcomes, computed ahead of the tested backend on threads of their
+// own and handed out in index order: the tested backend (one GPU) runs one problem at a time on the
+// calling thread while the other cores make the next problems' references. A small problem's
+// reference runs serially (many small problems at once use the cores better than one split over all
+// of them); a large one's uses every core. At most `window` problems are made ahead of the one taken.
+class ReferencesAhead {
+ public:
+  struct Item {
+    soak::SoakProblem sp;
+    io::MoeCase c;
+    std::vector<int64_t> tokens;
+    soak::Outcome ref;
+  };
+
+  ReferencesAhead(uint64_t seed, int64_t begin, int64_t end, int threads)
+      : seed_(seed), next_(begin), taken_(begin), end_(end), window_(2 * int64_t(threads)) {
+    for (int t = 0; t < threads; ++t) threads_.emplace_back([this] { work(); });
+  }
+  ~ReferencesAhead() {
+    {
+      std::lock_guard<std::mutex> lock(m_);
+      stop_ = true;
+    }
+    space_.notify_all();
+    for (auto& t : threads_) t.join();
+  }
+  ReferencesAhead(const ReferencesAhead&) = delete;
+  ReferencesAhead& operator=(const ReferencesAhead&) = delete;
+
+  // Problem i (the next in order); rethrows what making it threw.
+  Item take(int64_t i) {
+    std::unique_lock<std::mutex> lock(m_);
+    ready_cv_.wait(lock, [&] { return ready_.count(i) > 0; });
+    Slot slot = std::move(ready_.at(i));
+    ready_.erase(i);
+    taken_ = i + 1;
+    lock.unlock();
+    space_.notify_all();
+    if (slot.error) std::rethrow_exception(slot.error);
+    return std::move(slot.item);
+  }
+
+ private:
+  struct Slot {
+    Item item;
+    std::exception_ptr error;
+  };
+
+  void work() {
+    for (;;) {
+      int64_t i;
+      {
+        std::unique_lock<std::mutex> lock(m_);
+        space_.wait(lock, [&] { return stop_ || next_ >= end_ || next_ < taken_ + window_; });
+        if (stop_ || next_ >= end_) return;
+        i = next_++;
+      }
+      Slot slot;
+      try {
+        slot.item.sp = soak::make_problem(seed_, i);
+        std::optional<reference::detail::SerialScope> serial;
+        if (!slot.item.sp.large) serial.emplace();
+        slot.item.c = soak::make_case(slot.item.sp);
+        slot.item.tokens = soak::reference_tokens(slot.item.sp, slot.item.c);
+        slot.item.ref = soak::reference_outcome(slot.item.c, slot.item.tokens);
+      } catch (...) {
+        slot.error = std::current_exception();
+      }
+      {
+        std::lock_guard<std::mutex> lock(m_);
+        ready_.emplace(i, std::move(slot));
+      }
+      ready_cv_.notify_all();
+    }
+  }
+
+  const uint64_t seed_;
+  int64_t next_, taken_;
+  const int64_t end_, window_;
+  std::mutex m_;
+  std::condition_variable space_, ready_cv_;
+  std::map<int64_t, Slot> ready_;
+  bool stop_ = false;
+  std::vector<std::thread> threads_;
+};
 
 // Progress lines from a thread of their own, so that one long problem does not silence them.
 class Progress {
@@ -142,6 +234,8 @@ int run_soak_command(const SoakOptions& o) {
   std::fflush(stdout);
 
   Progress progress(o);
+  const int threads = std::max(1, reference::detail::max_workers() - 1);  // one core runs the tested backend
+  ReferencesAhead ahead(o.seed, o.start, o.start + o.problems, threads);
   int64_t i = o.start;
   int status = 0;
   for (; i < o.start + o.problems; ++i) {
@@ -152,10 +246,11 @@ int run_soak_command(const SoakOptions& o) {
     }
     progress.current = i;
     write_file(dir / "current", std::to_string(i) + "\n");
-    const soak::SoakProblem sp = soak::make_problem(o.seed, i);
-    const io::MoeCase c = soak::make_case(sp);
-    const std::vector<int64_t> tokens = soak::reference_tokens(sp, c);
-    const soak::Outcome ref = soak::reference_outcome(c, tokens);
+    const ReferencesAhead::Item item = ahead.take(i);
+    const soak::SoakProblem& sp = item.sp;
+    const io::MoeCase& c = item.c;
+    const std::vector<int64_t>& tokens = item.tokens;
+    const soak::Outcome& ref = item.ref;
     const soak::Outcome tested = run_backend(sp, c, gpu);
     const std::string diff = soak::check_outcome(c, tokens, ref, tested, /*bad_id_rows_nan=*/gpu);
     bool broken = false;
