@@ -23,6 +23,11 @@ std::vector<std::string> split_list(const std::string& s) {
   return v;
 }
 
+ActQuant mode_for_format(WeightFormat format, ActQuant given, const CLI::App* command) {
+  const bool mode_given = command != nullptr && command->count("--mode") > 0;
+  return !mode_given && format == WeightFormat::MXFP4 ? ActQuant::W4A16 : given;
+}
+
 std::vector<int64_t> parse_tokens(const std::string& s) {
   std::vector<int64_t> v;
   for (const std::string& item : split_list(s)) {
@@ -136,10 +141,7 @@ void add_bench_command(CLI::App& app, BenchCommandOptions& o) {
 
 int run_bench_command(const BenchCommandOptions& o) {
   const ActQuant given_mode = parse_act_quant(o.mode, "--mode");
-  // NOTE: MXFP4 weights have one mode (w4a16); without --mode they take it instead of the default
-  // w4a4_scalar, and an explicit other mode is preset()'s error naming the preset.
-  const bool mode_given = o.command != nullptr && o.command->count("--mode") > 0;
-  auto mode_for = [&](WeightFormat f) { return !mode_given && f == WeightFormat::MXFP4 ? ActQuant::W4A16 : given_mode; };
+  auto mode_for = [&](WeightFormat f) { return mode_for_format(f, given_mode, o.command); };
   auto preset_of = [&](const std::string& m) { return preset(m, mode_for(preset_weight_format(m))); };
   const std::vector<int64_t> tokens = parse_tokens(o.tokens);
   const std::vector<std::string> models = split_list(o.models);

@@ -7,6 +7,8 @@
 #include <string>
 #include <vector>
 
+#include "fp4moe/problem.hpp"
+
 namespace fp4moe::tools {
 
 struct BenchCommandOptions {
@@ -33,5 +35,9 @@ int run_bench_command(const BenchCommandOptions& options);
 std::vector<std::string> split_list(const std::string& list);
 // A --tokens list ("1,2,4"): integers >= 1; throws fp4moe::Error naming the bad item (also `fp4moe tune`).
 std::vector<int64_t> parse_tokens(const std::string& list);
+// The mode that bench and tune run weights of `format` in: `given`, except that MXFP4 weights (one mode,
+// w4a16) take w4a16 when --mode was not on `command`'s line; an explicit other mode is left for
+// preset()'s error naming the preset.
+ActQuant mode_for_format(WeightFormat format, ActQuant given, const CLI::App* command);
 
 }  // namespace fp4moe::tools

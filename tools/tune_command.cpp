@@ -14,7 +14,7 @@
 #include "fp4moe/presets.hpp"
 #include "fp4moe/runner.hpp"
 #include "fp4moe/tune.hpp"
-#include "tools/bench_command.hpp"  // split_list, parse_tokens
+#include "tools/bench_command.hpp"  // split_list, parse_tokens, mode_for_format
 
 namespace fp4moe::tools {
 namespace {
@@ -104,12 +104,7 @@ int run_tune_profile(const TuneOptions& o) {
   check(!o.models.empty(), "tune: --model PRESET[,PRESET] is required (or --show)");
   const std::vector<std::string> models = split_list(o.models);
   const ActQuant given_mode = parse_act_quant(o.mode, "--mode");
-  // NOTE: as in `fp4moe bench`: MXFP4 weights have one mode (w4a16), theirs when --mode is not given; an
-  // explicit other mode is preset()'s error naming the preset.
-  const bool mode_given = o.command != nullptr && o.command->count("--mode") > 0;
-  auto mode_for = [&](const std::string& m) {
-    return !mode_given && preset_weight_format(m) == WeightFormat::MXFP4 ? ActQuant::W4A16 : given_mode;
-  };
+  auto mode_for = [&](const std::string& m) { return mode_for_format(preset_weight_format(m), given_mode, o.command); };
   for (const std::string& m : models) (void)preset(m, mode_for(m));  // unknown names fail before any GPU work
   TuneProfileOptions po;
   po.max_tokens = o.max_tokens;
