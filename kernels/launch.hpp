@@ -100,6 +100,37 @@ cudaError_t launch_quantize_nvfp4(const __nv_bfloat16* x, int64_t rows, int64_t 
                                   const float* input_scale, uint8_t* packed, uint8_t* scales,
                                   ScaleLayout layout, cudaStream_t stream);
 
+// ---- the rows between the layer's stages (MoeRunner::prepare / experts) -----------------------------
+// prepare: hidden [T, H] -> rows [S, H], S = T (one row per token) or T*k (per_entry: row t*k + j for
+// entry (t, j)), each row the GEMM1 operand of gather_quantize's arithmetic:
+//   w4a16:            bf16 rows x (times bf16(w[entry]) first when scale_by_weight)
+//   w4a4_scalar:      NVFP4(x or its weighted form, input_scale[0]) as packed e2m1 [S, H/2] + e4m3 scales
+//   w4a4_per_expert:  NVFP4 with input_scale[topk_ids[entry]] (per_entry only; an id outside [0, E) gives
+//                     NaN scales)
+// Scales are [S, H/16] (linear) or the 128x4-swizzled matrix of format::swizzled_scales_size(1, S, H/16)
+// bytes, padding written as zero.
+struct PrepareRowsArgs {
+  const __nv_bfloat16* hidden = nullptr;  // [T, H], 16-byte aligned
+  const int32_t* topk_ids = nullptr;      // [T, k] (w4a4_per_expert)
+  const float* topk_weights = nullptr;    // [T, k] (scale_by_weight)
+  const float* input_scale = nullptr;     // [1] or [E], dequant direction (w4a4)
+  int num_tokens = 0;
+  int top_k = 1;
+  int hidden_size = 0;
+  int num_experts = 0;
+  bool per_entry = false;
+  bool scale_by_weight = false;           // needs per_entry
+  ActQuant mode = ActQuant::W4A16;
+  ScaleLayout scale_layout = ScaleLayout::Linear;
+  void* values = nullptr;                 // bf16 [S, H] (16-byte aligned) or packed [S, H/2] (8-byte aligned)
+  uint8_t* scales = nullptr;              // NVFP4 rows only
+};
+cudaError_t launch_prepare_rows(const PrepareRowsArgs& args, cudaStream_t stream);
+// NVFP4 rows (packed [rows, cols/2], scales linear or swizzled as prepare writes them) -> bf16 q * sf
+// [rows, cols], exact: the GEMM1 operand.
+cudaError_t launch_dequantize_rows(const uint8_t* packed, const uint8_t* scales, ScaleLayout layout, int64_t rows,
+                                   int64_t cols, __nv_bfloat16* out, cudaStream_t stream);
+
 // GEMM1 A operand, permuted: a1[entry_to_row[t*k + j]] = values of token t (j = 0..k-1).
 //   w4a16:            bf16 x[t] (times bf16(w) first when scale_by_weight)
 //   w4a4_scalar:      q*sf of NVFP4(x[t], input_scale[0])

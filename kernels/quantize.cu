@@ -32,11 +32,6 @@ constexpr int kThreads = 256;
 constexpr int kGatherThreads = 128;  // per token: H = 2048..7168 is 128..448 blocks of 16
 constexpr int kMaxGatherTopK = 32;   // the router's limit (kernels/route.cu)
 
-// Swizzled offset of (m, k) in a [row_tiles*128, kt*4] scale matrix (one batch).
-__device__ __forceinline__ int64_t swizzled_offset(int64_t m, int64_t k, int64_t kt) {
-  return (m / 128) * kt * 512 + (k / 4) * 512 + (m % 32) * 16 + ((m % 128) / 32) * 4 + k % 4;
-}
-
 __global__ void __launch_bounds__(kThreads)
     quantize_nvfp4_kernel(const __nv_bfloat16* __restrict__ x, int64_t rows, int64_t cols,
                           const float* __restrict__ input_scale, uint8_t* __restrict__ packed,
@@ -48,7 +43,7 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   if (i >= grid_rows * grid_cols) return;
   const int64_t m = i / grid_cols, b = i % grid_cols;
-  const int64_t scale_at = swizzled ? swizzled_offset(m, b, grid_cols / 4) : m * nb + b;
+  const int64_t scale_at = swizzled ? nvfp4::swizzled_scale_offset(m, b, grid_cols / 4) : m * nb + b;
   if (m >= rows || b >= nb) {  // swizzled padding
     scales[scale_at] = 0;
     return;

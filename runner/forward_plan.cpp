@@ -87,6 +87,70 @@ ForwardPlan plan_forward(const MoeProblem& p, int64_t T, const MoeTactic& tactic
   return plan;
 }
 
+StageRowsShape stage_rows_of(const MoeProblem& p, int64_t S, int rows_top_k, ScaleLayout layout) {
+  check(S >= 0 && rows_top_k >= 1, "stage_rows_of: S must be >= 0 and rows_top_k >= 1, got ", S, ", ", rows_top_k);
+  const int64_t H = p.hidden;
+  StageRowsShape s;
+  s.rows.num_rows = S;
+  s.rows.rows_top_k = rows_top_k;
+  s.rows.format = p.act_quant == ActQuant::W4A16 ? RowFormat::BF16 : RowFormat::NVFP4;
+  s.rows.scale_layout = layout;
+  if (s.rows.format == RowFormat::BF16) {
+    s.values_bytes = size_t(S * H * 2);
+  } else {
+    s.values_bytes = size_t(S * H / 2);
+    s.scales_bytes = layout == ScaleLayout::Linear ? size_t(S * H / 16)
+                                                   : size_t((S + 127) / 128 * 128 * ((H / 16 + 3) / 4 * 4));
+  }
+  return s;
+}
+
+StageRowsShape stage_rows_shape(const MoeProblem& p, int64_t T, ScaleLayout layout) {
+  check(T >= 0, "stage_rows_shape: T must be >= 0, got ", T);
+  const int64_t k = p.top_k();
+  const bool per_entry = p.routing.apply_router_weight_on_input || p.act_quant == ActQuant::W4A4PerExpert;
+  return stage_rows_of(p, per_entry ? T * k : T, per_entry ? 1 : static_cast<int>(k), layout);
+}
+
+int64_t experts_tactic_tokens(const MoeProblem& p, int64_t rows, int rows_top_k) {
+  const int64_t k = p.top_k();
+  return (rows * rows_top_k + k - 1) / k;
+}
+
+ExpertsPlan plan_experts(const MoeProblem& p, int64_t rows, int rows_top_k, RowFormat format, const MoeTactic& tactic) {
+  check(rows >= 0 && rows_top_k >= 1, "plan_experts: rows must be >= 0 and rows_top_k >= 1, got ", rows, ", ",
+        rows_top_k);
+  ExpertsPlan plan;
+  plan.rows = rows;
+  plan.rows_top_k = rows_top_k;
+  plan.entries = rows * rows_top_k;
+  plan.tactic_tokens = experts_tactic_tokens(p, rows, rows_top_k);
+  plan.tile_rows = tactic.tile_tokens;
+  plan.stream_kernel = tactic.kernel == GemmKernel::Sm90Stream;
+  plan.dequantize = format == RowFormat::NVFP4;
+  plan.clear_split1 = tactic.split_k1 > 1;
+  plan.clear_split2 = tactic.split_k2 > 1;
+  // NOTE (early start, as plan_forward): after the dequantize launch the tile table is two launches old.
+  plan.tile_handoff = plan.stream_kernel;
+  if (plan.stream_kernel && plan.dequantize) plan.gemm1_early_start = EarlyStart::TileTable;
+  if (plan.tile_handoff) plan.gemm2_early_start = EarlyStart::TileReady;
+  return plan;
+}
+
+std::string describe(const ExpertsPlan& plan) {
+  std::string s = detail::concat("rows=", plan.rows, "x", plan.rows_top_k, " entries=", plan.entries,
+                                 " tactic_tokens=", plan.tactic_tokens, " tile_rows=", plan.tile_rows,
+                                 plan.stream_kernel ? " stream" : " wgmma", " permute");
+  if (plan.dequantize) s += " dequantize";
+  s += " gemm1(gather)";
+  if (plan.clear_split1) s += " split1";
+  if (plan.clear_split2) s += " split2";
+  s += detail::concat(" gemm1_early=", to_string(plan.gemm1_early_start),
+                      " gemm2_early=", to_string(plan.gemm2_early_start));
+  if (plan.tile_handoff) s += " tile_handoff";
+  return s;
+}
+
 std::string describe(const ForwardPlan& plan) {
   std::string s = detail::concat("T=", plan.tokens, " entries=", plan.entries, " tile_rows=", plan.tile_rows,
                                  plan.stream_kernel ? " stream" : " wgmma");

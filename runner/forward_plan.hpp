@@ -76,6 +76,36 @@ struct ForwardPlan {
 ForwardPlan plan_forward(const MoeProblem& problem, int64_t T, const MoeTactic& tactic, bool routed,
                          OutputDType output_dtype, bool has_w2_bias);
 
+// ---- the layer as stages (MoeRunner::prepare / experts / finalize) ----------------------------------
+// The rows prepare makes for T tokens: one per entry (t*k + j) where the GEMM1 operand differs between a
+// token's slots (the router weight on the input, per-expert input scales), else one per token.
+StageRowsShape stage_rows_shape(const MoeProblem& problem, int64_t T, ScaleLayout layout);
+// The shape and bytes of S rows with rows_top_k ids each in the problem's row format (any S: rows that
+// arrive from other ranks).
+StageRowsShape stage_rows_of(const MoeProblem& problem, int64_t S, int rows_top_k, ScaleLayout layout);
+
+// The launches of MoeRunner::experts on S rows with rows_top_k ids each: permute (the ids as [S,
+// rows_top_k]) -> dequantize (NVFP4 rows only) -> GEMM1 gathering its rows (row -> entry -> source row)
+// -> GEMM2 writing y by entry. The GEMM decisions are plan_forward's for the same tactic.
+struct ExpertsPlan {
+  int64_t rows = 0;            // S
+  int rows_top_k = 0;
+  int64_t entries = 0;         // S * rows_top_k
+  int64_t tactic_tokens = 0;   // ceil(entries / k): the token count whose bucket gives the tactic
+  int tile_rows = 0;
+  bool stream_kernel = false;
+  bool dequantize = false;     // NVFP4 rows: a launch writes their bf16 values (q * sf) for GEMM1
+  bool clear_split1 = false, clear_split2 = false;
+  EarlyStart gemm1_early_start = EarlyStart::AfterWait;
+  EarlyStart gemm2_early_start = EarlyStart::AfterWait;
+  bool tile_handoff = false;
+};
+// The token count whose tactic the experts stage uses (before the tactic is known).
+int64_t experts_tactic_tokens(const MoeProblem& problem, int64_t rows, int rows_top_k);
+ExpertsPlan plan_experts(const MoeProblem& problem, int64_t rows, int rows_top_k, RowFormat format,
+                         const MoeTactic& tactic);
+std::string describe(const ExpertsPlan& plan);
+
 // One line, e.g. "T=8 entries=64 tile_rows=16 stream route+permute gather_in_gemm1 ... finalize=in_gemm2(<=128)".
 std::string describe(const ForwardPlan& plan);
 

@@ -28,6 +28,8 @@ namespace {
 // The plan's copies of the kernels' limits and enums must be the kernels' own.
 static_assert(runner::kRoutePermuteMaxEntries == kernels::permute_block::kSmallEntries);
 static_assert(runner::kRoutePermuteMaxTokens == kernels::permute_block::kWarps);
+static_assert(int(ScaleLayout::Linear) == int(kernels::ScaleLayout::Linear) &&
+              int(ScaleLayout::Swizzled128x4) == int(kernels::ScaleLayout::Swizzled128x4));
 static_assert(int(runner::EarlyStart::AfterWait) == int(kernels::GemmEarlyStart::AfterWait) &&
               int(runner::EarlyStart::TileTable) == int(kernels::GemmEarlyStart::TileTable) &&
               int(runner::EarlyStart::TileReady) == int(kernels::GemmEarlyStart::TileReady));
@@ -114,6 +116,85 @@ T* region(void* base, size_t offset) {
   return reinterpret_cast<T*>(static_cast<char*>(base) + offset);
 }
 
+// One device-memory argument of a forward or a stage: null, alignment, device and overlap checks.
+struct DevicePtr {
+  const void* p;
+  const char* name;
+  size_t align;
+  size_t bytes;
+  bool written;
+  bool used;
+};
+
+// fn: the entry point the messages name. What a call writes must not overlap what it reads or another of
+// its outputs: the kernels read their inputs after earlier launches of the same call have written.
+Status check_device_ptrs(const char* fn, cudaStream_t stream, std::span<const DevicePtr> ptrs, int device) {
+  auto fail = [fn](auto&&... parts) { return Status::failure(detail::concat(fn, ": ", parts...)); };
+  // NOTE: pointer and stream queries are not stream operations, but CUDA counts them as unsafe while
+  // a graph is captured in global mode; a capturing call checks what needs no query.
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return fail("the stream is not a valid CUDA stream");
+  }
+  const bool capturing = capture != cudaStreamCaptureStatusNone;
+  for (const DevicePtr& q : ptrs) {
+    if (!q.used) continue;
+    if (!q.p) return fail(q.name, " is null");
+    if (reinterpret_cast<uintptr_t>(q.p) % q.align != 0)
+      return fail(q.name, " must be ", q.align, "-byte aligned, got address ", q.p);
+    if (capturing) continue;
+    cudaPointerAttributes attr{};
+    if (cudaPointerGetAttributes(&attr, q.p) != cudaSuccess || attr.type != cudaMemoryTypeDevice)
+      return (void)cudaGetLastError(), fail(q.name, " must be device memory");
+    if (attr.device != device) return fail(q.name, " is on device ", attr.device, " but the runner is on device ", device);
+  }
+  for (const DevicePtr& w : ptrs) {
+    if (!w.used || !w.written) continue;
+    const auto wb = reinterpret_cast<uintptr_t>(w.p);
+    for (const DevicePtr& q : ptrs) {
+      if (&q == &w || !q.used || (q.written && &q < &w)) continue;  // each pair of outputs once
+      const auto qb = reinterpret_cast<uintptr_t>(q.p);
+      if (wb < qb + q.bytes && qb < wb + w.bytes)
+        return fail(w.name, " overlaps ", q.name, " (", w.bytes, " bytes at ", w.p, ", ", q.bytes, " bytes at ", q.p,
+                    "); outputs and the workspace need memory of their own");
+    }
+  }
+  if (stream && !capturing) {
+    int stream_device = -1;
+    if (cudaStreamGetDevice(stream, &stream_device) == cudaSuccess && stream_device != device)
+      return fail("stream belongs to device ", stream_device, " but the runner is on device ", device);
+    (void)cudaGetLastError();
+  }
+  return Status::success();
+}
+
+// What both GEMMs of one launch sequence share: the permutation's tile table and the tactic.
+struct GemmLaunch {
+  const kernels::PermuteArgs& permute;
+  int64_t tiles;    // max_tiles of the entries for the tactic's tile
+  int64_t entries;  // GEMM rows
+  const MoeTactic& tactic;
+};
+
+void fill_gemm_common(kernels::ExpertGemmArgs& x, const GemmLaunch& g, const kernels::PrepackedWeights& pw,
+                      const DeviceBytes& wb, const DeviceBytes& sb, const DeviceBytes& alpha, int64_t K, int64_t N) {
+  x.w = wb.as<uint8_t>();
+  x.w_scale = sb.as<uint8_t>();
+  x.weights = pw;
+  x.alpha = alpha.as<float>();
+  x.expert_offsets = g.permute.expert_offsets;
+  x.tile_expert = g.permute.tile_expert;
+  x.tile_row_start = g.permute.tile_row_start;
+  x.num_tiles = g.permute.num_tiles;
+  x.max_tiles = g.tiles;
+  x.num_experts = g.permute.num_experts;
+  x.K = K;
+  x.N = N;
+  x.rows = g.entries;
+  x.tactic = g.tactic;
+}
+
 class GpuMoeRunner final : public MoeRunner {
  public:
   GpuMoeRunner(const MoeProblem& p, int64_t max_tokens, int device, const DeviceKey& key)
@@ -133,6 +214,9 @@ class GpuMoeRunner final : public MoeRunner {
                         CUevent_st* const* marks) override {
     return run(stream, args, routed, marks);
   }
+  Status prepare(CUstream_st* stream, const PrepareArgs& args) override;
+  Status experts(CUstream_st* stream, const ExpertsArgs& args) override;
+  Status finalize(CUstream_st* stream, const FinalizeArgs& args) override;
 
  private:
   Status prepare_weights_or_throw(const reference::MoeWeights& w, const WeightPrepOptions& options);
@@ -297,22 +381,13 @@ Status GpuMoeRunner::check_args(cudaStream_t stream, const ForwardArgs& a, bool 
   if (!routed && problem_.routing.method == RoutingMethod::Precomputed)
     return fail("routing method is precomputed: call forward_routed with topk_ids/topk_weights");
   if (a.num_tokens == 0) return Status::success();
-  // NOTE: pointer and stream queries are not stream operations, but CUDA counts them as unsafe while
-  // a graph is captured in global mode; a capturing call checks what needs no query.
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return fail("the stream is not a valid CUDA stream");
-  }
-  const bool capturing = capture != cudaStreamCaptureStatusNone;
   // A bias is read by deepseek_v3 only; the other methods accept one and ignore it (routing_uses_bias).
   const bool bias_read = a.routing_bias != nullptr && routing_uses_bias(problem_.routing.method);
   const size_t T = size_t(a.num_tokens), H = size_t(problem_.hidden), E = size_t(problem_.num_experts),
                k = size_t(problem_.top_k());
   const size_t logits_elem = a.logits_dtype == LogitsDType::F32 ? 4 : 2;
-  struct Ptr { const void* p; const char* name; size_t align; size_t bytes; bool written; bool used; };
   // NOTE: a fixed array, not a vector: the forward path allocates nothing on the host either.
-  const Ptr ptrs[] = {
+  const DevicePtr ptrs[] = {
       {a.hidden, "hidden", 16, T * H * 2, false, true},
       {a.output, "output", 16, T * H * (a.output_dtype == OutputDType::F32 ? 4 : 2), true, true},
       {a.topk_ids, "topk_ids", 4, T * k * 4, !routed, true},
@@ -320,37 +395,7 @@ Status GpuMoeRunner::check_args(cudaStream_t stream, const ForwardArgs& a, bool 
       {a.workspace, "workspace", kAlign, a.workspace_bytes, true, true},
       {a.router_logits, "router_logits", logits_elem, T * E * logits_elem, false, !routed},
       {a.routing_bias, "routing_bias", 4, E * 4, false, bias_read}};
-  for (const Ptr& q : ptrs) {
-    if (!q.used) continue;
-    if (!q.p) return fail(q.name, " is null");
-    if (reinterpret_cast<uintptr_t>(q.p) % q.align != 0)
-      return fail(q.name, " must be ", q.align, "-byte aligned, got address ", q.p);
-    if (capturing) continue;
-    cudaPointerAttributes attr{};
-    if (cudaPointerGetAttributes(&attr, q.p) != cudaSuccess || attr.type != cudaMemoryTypeDevice)
-      return (void)cudaGetLastError(), fail(q.name, " must be device memory");
-    if (attr.device != device_) return fail(q.name, " is on device ", attr.device, " but the runner is on device ", device_);
-  }
-  // What the forward writes must not overlap what it reads or another of its outputs: the kernels
-  // read their inputs after earlier stages have written.
-  for (const Ptr& w : ptrs) {
-    if (!w.used || !w.written) continue;
-    const auto wb = reinterpret_cast<uintptr_t>(w.p);
-    for (const Ptr& q : ptrs) {
-      if (&q == &w || !q.used || (q.written && &q < &w)) continue;  // each pair of outputs once
-      const auto qb = reinterpret_cast<uintptr_t>(q.p);
-      if (wb < qb + q.bytes && qb < wb + w.bytes)
-        return fail(w.name, " overlaps ", q.name, " (", w.bytes, " bytes at ", w.p, ", ", q.bytes, " bytes at ", q.p,
-                    "); outputs and the workspace need memory of their own");
-    }
-  }
-  if (stream && !capturing) {
-    int stream_device = -1;
-    if (cudaStreamGetDevice(stream, &stream_device) == cudaSuccess && stream_device != device_)
-      return fail("stream belongs to device ", stream_device, " but the runner is on device ", device_);
-    (void)cudaGetLastError();
-  }
-  return Status::success();
+  return check_device_ptrs(fn, stream, ptrs, device_);
 }
 
 // A stage mark of forward_marked. NOTE: external, so that a stream capture of the forward turns it into
@@ -475,25 +520,9 @@ Status GpuMoeRunner::run(cudaStream_t stream, const ForwardArgs& a, bool routed,
     FP4MOE_LAUNCH(3, "gather_quantize", kernels::launch_gather_quantize(g, stream));
   }
 
-  auto common = [&](kernels::ExpertGemmArgs& x, const kernels::PrepackedWeights& pw, const DeviceBytes& wb,
-                    const DeviceBytes& sb, const DeviceBytes& alpha, int64_t K, int64_t N) {
-    x.w = wb.as<uint8_t>();
-    x.w_scale = sb.as<uint8_t>();
-    x.weights = pw;
-    x.alpha = alpha.as<float>();
-    x.expert_offsets = pa.expert_offsets;
-    x.tile_expert = pa.tile_expert;
-    x.tile_row_start = pa.tile_row_start;
-    x.num_tiles = pa.num_tiles;
-    x.max_tiles = tiles;
-    x.num_experts = E;
-    x.K = K;
-    x.N = N;
-    x.rows = fp.entries;
-    x.tactic = tactic;
-  };
+  const GemmLaunch gl{pa, tiles, fp.entries, tactic};
   kernels::Gemm1Args g1;
-  common(g1, w13_, w13_bytes_, w13_scale_bytes_, alpha1_, p.hidden, p.w13_rows());
+  fill_gemm_common(g1, gl, w13_, w13_bytes_, w13_scale_bytes_, alpha1_, p.hidden, p.w13_rows());
   g1.a = g.a1;
   if (fp.gather_in_gemm1) {
     g1.a = p.act_quant == ActQuant::W4A16 ? g.hidden : g.a1;  // [T, H]
@@ -512,7 +541,7 @@ Status GpuMoeRunner::run(cudaStream_t stream, const ForwardArgs& a, bool routed,
   FP4MOE_LAUNCH(4, "gemm1_act", kernels::launch_gemm1_act(g1, stream));
 
   kernels::Gemm2Args g2;
-  common(g2, w2_, w2_bytes_, w2_scale_bytes_, alpha2_, p.inter, p.hidden);
+  fill_gemm_common(g2, gl, w2_, w2_bytes_, w2_scale_bytes_, alpha2_, p.inter, p.hidden);
   g2.a = g1.act;
   g2.row_to_entry = pa.row_to_entry;
   g2.y = fp.fuse_finalize ? nullptr : region<float>(ws, ws_plan.y);
@@ -556,6 +585,221 @@ Status GpuMoeRunner::run(cudaStream_t stream, const ForwardArgs& a, bool routed,
   if (fp.f32_output) f.out_f32 = static_cast<float*>(a.output);
   else f.out = static_cast<__nv_bfloat16*>(a.output);
   FP4MOE_LAUNCH(6, "finalize", kernels::launch_finalize(f, stream));
+  return Status::success();
+}
+
+// ---- the layer as stages ----------------------------------------------------------------------------
+
+// The checks every stage makes first.
+Status check_stage(const char* fn, bool prepared, int64_t num_tokens, int64_t max_tokens) {
+  if (!prepared) return Status::failure(detail::concat(fn, ": weights are not prepared (call prepare_weights first)"));
+  if (num_tokens < 0 || num_tokens > max_tokens)
+    return Status::failure(detail::concat(fn, ": num_tokens must be in [0, max_tokens=", max_tokens, "], got ", num_tokens));
+  return Status::success();
+}
+
+// rows must have the shape `want` (prepared_rows of the same T): what prepare writes and what experts reads.
+Status check_rows_shape(const char* fn, const StageRows& rows, const StageRows& want) {
+  auto name = [](RowFormat f) { return f == RowFormat::BF16 ? "bf16" : "nvfp4"; };
+  if (rows.format != want.format)
+    return Status::failure(detail::concat(fn, ": rows.format must be ", name(want.format), " for this problem, got ",
+                                          name(rows.format)));
+  if (rows.num_rows != want.num_rows || rows.rows_top_k != want.rows_top_k)
+    return Status::failure(detail::concat(fn, ": rows must be [", want.num_rows, " rows, ", want.rows_top_k,
+                                          " ids each] (prepared_rows), got [", rows.num_rows, ", ", rows.rows_top_k, "]"));
+  return Status::success();
+}
+
+Status GpuMoeRunner::prepare(cudaStream_t stream, const PrepareArgs& a) {
+  const char* fn = "prepare";
+  if (Status s = check_stage(fn, prepared_, a.num_tokens, max_tokens_); !s.ok()) return s;
+  const MoeProblem& p = problem_;
+  const StageRowsShape shape = runner::stage_rows_shape(p, a.num_tokens, a.rows.scale_layout);
+  if (Status s = check_rows_shape(fn, a.rows, shape.rows); !s.ok()) return s;
+  if (a.num_tokens == 0) return Status::success();
+  // One row per entry where a token's slots differ (stage_rows_shape), else one per token.
+  const bool per_entry = p.routing.apply_router_weight_on_input || p.act_quant == ActQuant::W4A4PerExpert;
+  const bool nvfp4 = shape.rows.format == RowFormat::NVFP4;
+  const size_t T = size_t(a.num_tokens), H = size_t(p.hidden), k = size_t(p.top_k());
+  const DevicePtr ptrs[] = {
+      {a.hidden, "hidden", 16, T * H * 2, false, true},
+      {a.topk_ids, "topk_ids", 4, T * k * 4, false, p.act_quant == ActQuant::W4A4PerExpert},
+      {a.topk_weights, "topk_weights", 4, T * k * 4, false, p.routing.apply_router_weight_on_input},
+      {a.rows.values, "rows.values", nvfp4 ? size_t(8) : size_t(16), shape.values_bytes, true, true},
+      {a.rows.scales, "rows.scales", 1, shape.scales_bytes, true, nvfp4}};
+  if (Status s = check_device_ptrs(fn, stream, ptrs, device_); !s.ok()) return s;
+  (void)cudaGetLastError();
+  if (cudaError_t e = cudaSetDevice(device_); e != cudaSuccess) return Status::failure(cuda_message("cudaSetDevice", e));
+  kernels::PrepareRowsArgs r;
+  r.hidden = static_cast<const __nv_bfloat16*>(a.hidden);
+  r.topk_ids = a.topk_ids;
+  r.topk_weights = a.topk_weights;
+  r.input_scale = input_scale_.as<float>();
+  r.num_tokens = static_cast<int>(a.num_tokens);
+  r.top_k = p.top_k();
+  r.hidden_size = static_cast<int>(p.hidden);
+  r.num_experts = static_cast<int>(p.num_experts);
+  r.per_entry = per_entry;
+  r.scale_by_weight = p.routing.apply_router_weight_on_input;
+  r.mode = p.act_quant;
+  r.scale_layout = static_cast<kernels::ScaleLayout>(a.rows.scale_layout);
+  r.values = a.rows.values;
+  r.scales = static_cast<uint8_t*>(a.rows.scales);
+  const cudaEvent_t* marks = nullptr;  // FP4MOE_LAUNCH records no stage marks here
+  FP4MOE_LAUNCH(0, "prepare_rows", kernels::launch_prepare_rows(r, stream));
+  return Status::success();
+}
+
+Status GpuMoeRunner::experts(cudaStream_t stream, const ExpertsArgs& a) {
+  const char* fn = "experts";
+  const MoeProblem& p = problem_;
+  const StageRows& rows = a.rows;
+  if (!prepared_) return Status::failure("experts: weights are not prepared (call prepare_weights first)");
+  if (rows.rows_top_k < 1 || rows.rows_top_k > p.top_k())
+    return Status::failure(detail::concat(fn, ": rows.rows_top_k must be in [1, top_k=", p.top_k(), "], got ", rows.rows_top_k));
+  const int64_t limit = max_tokens_ * p.top_k();
+  if (rows.num_rows < 0 || rows.num_rows * rows.rows_top_k > limit)
+    return Status::failure(detail::concat(fn, ": rows.num_rows * rows.rows_top_k must be in [0, max_tokens * top_k = ",
+                                          limit, "], got ", rows.num_rows, " * ", rows.rows_top_k));
+  const RowFormat want = p.act_quant == ActQuant::W4A16 ? RowFormat::BF16 : RowFormat::NVFP4;
+  if (rows.format != want)
+    return Status::failure(detail::concat(fn, ": rows.format must be ", want == RowFormat::BF16 ? "bf16" : "nvfp4",
+                                          " for mode ", to_string(p.act_quant)));
+  const size_t need = workspace_size(max_tokens_);
+  if (a.workspace_bytes < need)
+    return Status::failure(detail::concat(fn, ": workspace_bytes must be >= workspace_size(max_tokens) = ", need,
+                                          ", got ", a.workspace_bytes));
+  const int64_t S = rows.num_rows;
+  if (S == 0) return Status::success();
+  const StageRowsShape bytes = runner::stage_rows_of(p, S, rows.rows_top_k, rows.scale_layout);
+  const bool nvfp4 = want == RowFormat::NVFP4;
+  const size_t entries = size_t(S * rows.rows_top_k), H = size_t(p.hidden);
+  const DevicePtr ptrs[] = {
+      {rows.values, "rows.values", nvfp4 ? size_t(8) : size_t(16), bytes.values_bytes, false, true},
+      {rows.scales, "rows.scales", 1, bytes.scales_bytes, false, nvfp4},
+      {a.topk_ids, "topk_ids", 4, entries * 4, false, true},
+      {a.y, "y", 16, entries * H * 4, true, true},
+      {a.workspace, "workspace", kAlign, a.workspace_bytes, true, true}};
+  if (Status s = check_device_ptrs(fn, stream, ptrs, device_); !s.ok()) return s;
+  (void)cudaGetLastError();
+
+  const int64_t tactic_T = runner::experts_tactic_tokens(p, S, rows.rows_top_k);
+  const TacticSelector::Choice choice = choice_for(tactic_T);
+  const MoeTactic& tactic = choice.tactic;
+  if (!tactic_valid(p, tactic))
+    return Status::failure(detail::concat(fn, ": tactic ", describe(tactic), " cannot run ", p.describe(), ": ",
+                                          why_invalid(p, tactic)));
+  if (cudaError_t e = cudaSetDevice(device_); e != cudaSuccess) return Status::failure(cuda_message("cudaSetDevice", e));
+  const runner::ExpertsPlan ep = runner::plan_experts(p, S, rows.rows_top_k, rows.format, tactic);
+  if (log_level() >= LogLevel::Debug)
+    log_line(detail::concat("experts ", p.describe(), " ", runner::describe(ep), " tactic ", describe(tactic)),
+             LogLevel::Debug);
+  const WorkspacePlan ws_plan = plan(max_tokens_);
+  void* ws = a.workspace;
+  const int E = static_cast<int>(p.num_experts);
+  const int64_t tiles = kernels::max_tiles(ep.entries, E, ep.tile_rows);
+  const cudaEvent_t* marks = nullptr;  // FP4MOE_LAUNCH records no stage marks here
+
+  kernels::PermuteArgs pa;
+  pa.topk_ids = a.topk_ids;
+  pa.num_tokens = static_cast<int>(S);
+  pa.top_k = rows.rows_top_k;
+  pa.num_experts = E;
+  pa.tile_rows = ep.tile_rows;
+  pa.expert_offsets = region<int32_t>(ws, ws_plan.expert_offsets);
+  pa.row_to_entry = region<int32_t>(ws, ws_plan.row_to_entry);
+  pa.entry_to_row = region<int32_t>(ws, ws_plan.entry_to_row);
+  pa.tile_expert = region<int32_t>(ws, ws_plan.tile_expert);
+  pa.tile_row_start = region<int32_t>(ws, ws_plan.tile_row_start);
+  pa.num_tiles = region<int32_t>(ws, ws_plan.num_tiles);
+  pa.scratch = region<void>(ws, ws_plan.permute_scratch);
+  if (ep.clear_split1) {
+    pa.zero_words[1] = region<int32_t>(ws, ws_plan.split1);
+    pa.zero_count[1] = static_cast<int64_t>(kernels::gemm_stream_counter_bytes(tiles, p.w13_rows()) / sizeof(int32_t));
+  }
+  if (ep.clear_split2) {
+    pa.zero_words[2] = region<int32_t>(ws, ws_plan.split2);
+    pa.zero_count[2] = static_cast<int64_t>(kernels::gemm_stream_counter_bytes(tiles, p.hidden) / sizeof(int32_t));
+  }
+  if (ep.tile_handoff) {
+    pa.zero_words[3] = region<int32_t>(ws, ws_plan.tile_ready);
+    pa.zero_count[3] = tiles;
+  }
+  FP4MOE_LAUNCH(0, "permute", kernels::launch_permute(pa, stream));
+
+  // GEMM1's operand rows [S, H] in bf16: the caller's (w4a16) or their decoded values in a1 (NVFP4).
+  const __nv_bfloat16* a_rows = static_cast<const __nv_bfloat16*>(rows.values);
+  if (ep.dequantize) {
+    __nv_bfloat16* a1 = region<__nv_bfloat16>(ws, ws_plan.a1);
+    FP4MOE_LAUNCH(0, "dequantize_rows",
+                  kernels::launch_dequantize_rows(static_cast<const uint8_t*>(rows.values),
+                                                  static_cast<const uint8_t*>(rows.scales),
+                                                  static_cast<kernels::ScaleLayout>(rows.scale_layout), S, p.hidden, a1,
+                                                  stream));
+    a_rows = a1;
+  }
+  const GemmLaunch gl{pa, tiles, ep.entries, tactic};
+  kernels::Gemm1Args g1;
+  fill_gemm_common(g1, gl, w13_, w13_bytes_, w13_scale_bytes_, alpha1_, p.hidden, p.w13_rows());
+  g1.a = a_rows;
+  g1.rows = S;
+  g1.a_row_to_entry = pa.row_to_entry;
+  g1.a_top_k = rows.rows_top_k;
+  g1.activation = p.activation;
+  g1.mode = p.act_quant;
+  g1.act_scale = act_scale_.as<float>();
+  g1.act = region<__nv_bfloat16>(ws, ws_plan.act);
+  g1.bias = has_w13_bias_ ? w13_bias_.as<float>() : nullptr;
+  g1.split_workspace = region<void>(ws, ws_plan.split1);
+  g1.early_start = early_start(ep.gemm1_early_start);
+  if (ep.tile_handoff) g1.tile_ready = pa.zero_words[3];
+  FP4MOE_LAUNCH(0, "gemm1_act", kernels::launch_gemm1_act(g1, stream));
+
+  kernels::Gemm2Args g2;
+  fill_gemm_common(g2, gl, w2_, w2_bytes_, w2_scale_bytes_, alpha2_, p.inter, p.hidden);
+  g2.a = g1.act;
+  g2.row_to_entry = pa.row_to_entry;
+  g2.y = a.y;
+  g2.split_workspace = region<void>(ws, ws_plan.split2);
+  g2.early_start = early_start(ep.gemm2_early_start);
+  if (ep.tile_handoff) {
+    g2.tile_ready = pa.zero_words[3];
+    g2.tile_ready_count = static_cast<int>(kernels::gemm_stream_ctas_along_n(p.w13_rows()));
+  }
+  FP4MOE_LAUNCH(0, "gemm2", kernels::launch_gemm2(g2, stream));
+  return Status::success();
+}
+
+Status GpuMoeRunner::finalize(cudaStream_t stream, const FinalizeArgs& a) {
+  const char* fn = "finalize";
+  if (Status s = check_stage(fn, prepared_, a.num_tokens, max_tokens_); !s.ok()) return s;
+  if (a.num_tokens == 0) return Status::success();
+  const MoeProblem& p = problem_;
+  const size_t T = size_t(a.num_tokens), H = size_t(p.hidden), k = size_t(p.top_k());
+  const bool unit = p.routing.apply_router_weight_on_input;
+  const DevicePtr ptrs[] = {
+      {a.y, "y", 16, T * k * H * 4, false, true},
+      {a.topk_ids, "topk_ids", 4, T * k * 4, false, true},
+      {a.topk_weights, "topk_weights", 4, T * k * 4, false, !unit},
+      {a.output, "output", 16, T * H * (a.output_dtype == OutputDType::F32 ? 4 : 2), true, true}};
+  if (Status s = check_device_ptrs(fn, stream, ptrs, device_); !s.ok()) return s;
+  (void)cudaGetLastError();
+  if (cudaError_t e = cudaSetDevice(device_); e != cudaSuccess) return Status::failure(cuda_message("cudaSetDevice", e));
+  kernels::FinalizeArgs f;
+  f.y = a.y;
+  f.topk_weights = a.topk_weights;
+  f.num_tokens = static_cast<int>(a.num_tokens);
+  f.top_k = p.top_k();
+  f.hidden_size = static_cast<int>(p.hidden);
+  f.unit_weights = unit;
+  f.topk_ids = a.topk_ids;
+  f.num_experts = static_cast<int>(p.num_experts);
+  f.skip_foreign_ids = p.routing.skip_foreign_ids;
+  f.bias = has_w2_bias_ ? w2_bias_.as<float>() : nullptr;
+  if (a.output_dtype == OutputDType::F32) f.out_f32 = static_cast<float*>(a.output);
+  else f.out = static_cast<__nv_bfloat16*>(a.output);
+  const cudaEvent_t* marks = nullptr;
+  FP4MOE_LAUNCH(0, "finalize", kernels::launch_finalize(f, stream));
   return Status::success();
 }
 

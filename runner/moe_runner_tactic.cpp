@@ -1,6 +1,8 @@
-// runner/moe_runner_tactic.cpp — which tactic a forward uses (CPU code, also in builds without CUDA).
+// runner/moe_runner_tactic.cpp — which tactic a forward uses, and the shape of the stage rows (CPU code,
+// also in builds without CUDA).
 #include "fp4moe/error.hpp"
 #include "fp4moe/runner.hpp"
+#include "runner/forward_plan.hpp"
 
 namespace fp4moe {
 namespace {
@@ -36,6 +38,12 @@ void MoeRunner::force_tactic(std::optional<MoeTactic> tactic) {
     check(why.empty(), "MoeRunner::force_tactic: ", describe(*tactic), " cannot run ", problem_.describe(), ": ", why);
   }
   forced_tactic_ = tactic;
+}
+
+StageRowsShape MoeRunner::prepared_rows(int64_t num_tokens, ScaleLayout layout) const {
+  check(num_tokens >= 0 && num_tokens <= max_tokens_, "MoeRunner::prepared_rows: num_tokens must be in [0, max_tokens=",
+        max_tokens_, "], got ", num_tokens);
+  return runner::stage_rows_shape(problem_, num_tokens, layout);
 }
 
 }  // namespace fp4moe

@@ -54,6 +54,64 @@ struct ForwardArgs {
   size_t workspace_bytes = 0;
 };
 
+// ---- the layer as separate stages (docs/architecture.md, "The layer as stages") ----------------------
+// forward = route -> prepare -> experts -> finalize, with the same bits as the fused forward, for callers
+// that put communication between them (expert parallelism sends prepared rows to the ranks that hold
+// their experts and the experts' outputs back). Each stage runs on the caller's stream and buffers, no
+// host synchronisation or allocation, graph-capturable.
+
+// How the rows between prepare and experts store their values.
+enum class RowFormat { BF16, NVFP4 };
+// NVFP4 row scales: [S, H/16] e4m3, or the 128x4-swizzled matrix (format::swizzled_scales_size(1, S, H/16)
+// bytes, rows padded to 128 and scale columns to 4, padding zero) that FlashInfer and CUTLASS use.
+enum class ScaleLayout { Linear, Swizzled128x4 };
+
+// The rows of the GEMM1 operand: S rows, each going to rows_top_k experts (ids [S, rows_top_k]).
+// Per token (S = T, rows_top_k = k) where the operand is the same for a token's k slots (w4a16, scalar
+// w4a4); per entry (S = T*k, rows_top_k = 1, row t*k + j for slot j of token t) with per-expert input
+// scales or the router weight on the input. Either way, entry s * rows_top_k + j is the fused forward's
+// t * k + j.
+struct StageRows {
+  int64_t num_rows = 0;                    // S
+  int rows_top_k = 0;                      // ids per row
+  RowFormat format = RowFormat::BF16;      // BF16 in w4a16, NVFP4 in w4a4
+  ScaleLayout scale_layout = ScaleLayout::Linear;
+  void* values = nullptr;                  // bf16 [S, H] (16-byte aligned) or packed e2m1 [S, H/2] (8-byte aligned)
+  void* scales = nullptr;                  // NVFP4: e4m3 scales as scale_layout says; BF16: unused
+};
+// The shape prepare gives T tokens of a problem (values and scales null), and the bytes it needs.
+struct StageRowsShape {
+  StageRows rows;
+  size_t values_bytes = 0;
+  size_t scales_bytes = 0;
+};
+
+struct PrepareArgs {
+  int64_t num_tokens = 0;                  // T
+  const void* hidden = nullptr;            // [T, H] bf16
+  const int32_t* topk_ids = nullptr;       // [T, k] (read with per-expert input scales)
+  const float* topk_weights = nullptr;     // [T, k] (read with the router weight on the input)
+  StageRows rows;                          // out: prepared_rows(T, layout).rows with the caller's buffers
+};
+struct ExpertsArgs {
+  StageRows rows;                          // in: from prepare, or received from another rank
+  const int32_t* topk_ids = nullptr;       // [S, rows_top_k]; an id outside [0, E) has no GEMM row
+  float* y = nullptr;                      // out [S * rows_top_k, H] fp32: y = alpha2 * (act . w2^T) per entry,
+                                           // without w2_bias (finalize adds it); entries without a GEMM row
+                                           // are not written
+  void* workspace = nullptr;               // workspace_size(max_tokens) bytes, as for forward
+  size_t workspace_bytes = 0;
+};
+struct FinalizeArgs {
+  int64_t num_tokens = 0;                  // T
+  const float* y = nullptr;                // [T * k, H] fp32 (experts' output)
+  const int32_t* topk_ids = nullptr;       // [T, k]: ids outside [0, E) make the token's row NaN, or add
+                                           // nothing with RoutingParams::skip_foreign_ids
+  const float* topk_weights = nullptr;     // [T, k]
+  void* output = nullptr;                  // [T, H] bf16, or fp32 with output_dtype F32
+  OutputDType output_dtype = OutputDType::BF16;
+};
+
 class MoeRunner {
  public:
   // Throws fp4moe::Error when the problem is invalid or no suitable GPU is present.
@@ -77,6 +135,17 @@ class MoeRunner {
   // its token's output row NaN (bad input poisons only its own token), or, with
   // RoutingParams::skip_foreign_ids (expert parallelism: another rank's expert), adds nothing.
   virtual Status forward_routed(CUstream_st* stream, const ForwardArgs& args) = 0;
+
+  // ---- the layer as stages (see StageRows); arguments are checked before any launch ----
+  // The rows prepare writes for T tokens; layout applies to NVFP4 rows.
+  StageRowsShape prepared_rows(int64_t num_tokens, ScaleLayout layout = ScaleLayout::Linear) const;
+  // hidden -> rows: the activation quantization (w4a4) or bf16 passthrough, per token or per entry.
+  virtual Status prepare(CUstream_st* stream, const PrepareArgs& args) = 0;
+  // rows -> y: permutation by expert, GEMM1 + activation, GEMM2, with the tactic of
+  // ceil(S * rows_top_k / k) tokens (the fused forward's). S * rows_top_k <= max_tokens * k.
+  virtual Status experts(CUstream_st* stream, const ExpertsArgs& args) = 0;
+  // y -> output: the weighted sum over each token's slots in slot order (+ w2_bias), as forward's.
+  virtual Status finalize(CUstream_st* stream, const FinalizeArgs& args) = 0;
 
   // ---- tactics (fp4moe/tactic.hpp, fp4moe/tune.hpp) ----
   // Each forward of T tokens runs the tactic of T's bucket: from the tuning cache when it has an entry

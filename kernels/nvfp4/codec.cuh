@@ -74,6 +74,13 @@ __device__ __forceinline__ float e4m3_to_float(uint32_t code) {
   return (code & 0x80u) ? -v : v;
 }
 
+// ---- scale layouts ----------------------------------------------------------------------------------
+// Byte offset of scale (m, k) in the 128x4-swizzled layout of a [row_tiles*128, kt*4] scale matrix (one
+// batch; format::scales_linear_to_swizzled): 512-byte tiles of 128 rows x 4 columns, row m % 32 major.
+__device__ __forceinline__ int64_t swizzled_scale_offset(int64_t m, int64_t k, int64_t kt) {
+  return (m / 128) * kt * 512 + (k / 4) * 512 + (m % 32) * 16 + ((m % 128) / 32) * 4 + k % 4;
+}
+
 // ---- block scale ----------------------------------------------------------------------------------
 // gs = 1 / input_scale (input_scale in the dequant direction).
 __device__ __forceinline__ float global_inv_scale(float input_scale) {

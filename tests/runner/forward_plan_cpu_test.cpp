@@ -280,5 +280,57 @@ TEST(ForwardPlan, ZeroTokens) {
   EXPECT_THROW(plan_forward(preset("tiny"), -1, kStream, false, OutputDType::BF16, false), Error);
 }
 
+// ---- the layer as stages ----
+
+TEST(StagePlan, RowsArePerTokenUnlessTheSlotsDiffer) {
+  MoeProblem p = preset("qwen3-30b-a3b", ActQuant::W4A4Scalar);  // k = 8, H = 2048
+  StageRowsShape s = stage_rows_shape(p, 5, ScaleLayout::Linear);
+  EXPECT_EQ(s.rows.num_rows, 5);
+  EXPECT_EQ(s.rows.rows_top_k, 8);
+  EXPECT_EQ(s.rows.format, RowFormat::NVFP4);
+  EXPECT_EQ(s.values_bytes, 5u * 1024);
+  EXPECT_EQ(s.scales_bytes, 5u * 128);
+  s = stage_rows_shape(p, 5, ScaleLayout::Swizzled128x4);  // rows padded to 128, scale columns to 4
+  EXPECT_EQ(s.scales_bytes, 128u * 128);
+  p.act_quant = ActQuant::W4A4PerExpert;  // a scale per copy: one row per entry
+  s = stage_rows_shape(p, 5, ScaleLayout::Linear);
+  EXPECT_EQ(s.rows.num_rows, 40);
+  EXPECT_EQ(s.rows.rows_top_k, 1);
+  p.act_quant = ActQuant::W4A16;
+  s = stage_rows_shape(p, 5, ScaleLayout::Swizzled128x4);
+  EXPECT_EQ(s.rows.format, RowFormat::BF16);
+  EXPECT_EQ(s.values_bytes, 5u * 2048 * 2);
+  EXPECT_EQ(s.scales_bytes, 0u);
+  const MoeProblem llama = preset("llama4-scout");  // the router weight on the input, k = 1
+  s = stage_rows_shape(llama, 3, ScaleLayout::Linear);
+  EXPECT_EQ(s.rows.num_rows, 3);
+  EXPECT_EQ(s.rows.rows_top_k, 1);
+  EXPECT_EQ(stage_rows_shape(p, 0, ScaleLayout::Linear).values_bytes, 0u);
+}
+
+TEST(StagePlan, ExpertsUseTheFusedForwardsTacticAndLaunchOrder) {
+  const MoeProblem p = preset("qwen3-30b-a3b");  // k = 8
+  EXPECT_EQ(experts_tactic_tokens(p, 5, 8), 5);   // per-token rows: T
+  EXPECT_EQ(experts_tactic_tokens(p, 40, 1), 5);  // per-entry rows: T * k / k
+  EXPECT_EQ(experts_tactic_tokens(p, 41, 1), 6);  // rows from other ranks round up
+  ExpertsPlan e = plan_experts(p, 5, 8, RowFormat::BF16, kStream);
+  EXPECT_EQ(e.entries, 40);
+  EXPECT_FALSE(e.dequantize);
+  EXPECT_EQ(e.gemm1_early_start, EarlyStart::AfterWait);  // GEMM1 follows the permutation
+  EXPECT_TRUE(e.tile_handoff);
+  EXPECT_EQ(e.gemm2_early_start, EarlyStart::TileReady);
+  e = plan_experts(p, 5, 8, RowFormat::NVFP4, MoeTactic{GemmKernel::Sm90Stream, 16, 2, 4});
+  EXPECT_TRUE(e.dequantize);
+  EXPECT_EQ(e.gemm1_early_start, EarlyStart::TileTable);  // the dequantize launch lies between
+  EXPECT_TRUE(e.clear_split1);
+  EXPECT_TRUE(e.clear_split2);
+  e = plan_experts(p, 500, 8, RowFormat::NVFP4, kWgmma);
+  EXPECT_FALSE(e.tile_handoff);
+  EXPECT_EQ(e.gemm1_early_start, EarlyStart::AfterWait);
+  EXPECT_EQ(e.gemm2_early_start, EarlyStart::AfterWait);
+  EXPECT_EQ(describe(e), "rows=500x8 entries=4000 tactic_tokens=500 tile_rows=128 wgmma permute dequantize "
+                         "gemm1(gather) gemm1_early=after_wait gemm2_early=after_wait");
+}
+
 }  // namespace
 }  // namespace fp4moe::runner
