@@ -194,6 +194,12 @@ class PreparedLayer {
   const MoeProblem& problem() const { return problem_; }
   int64_t max_tokens() const { return max_tokens_; }
   bool on_cuda() const { return runner_ != nullptr; }
+  // The runner of a cuda layer, for the separate stages; `where` names the entry point in the error.
+  MoeRunner& runner(const std::string& where) const {
+    check(runner_ != nullptr, where, ": the stages run on a cuda layer; the cpu layer runs the whole reference ",
+          "forward only");
+    return *runner_;
+  }
   int device_index() const { return device_; }
   std::string device() const { return runner_ ? "cuda:" + std::to_string(device_) : "cpu"; }
   size_t workspace_size() const { return runner_ ? runner_->workspace_size(max_tokens_) : 0; }
@@ -386,7 +392,185 @@ class Layer {
     }
   }
 
+  // ---- the layer as stages (MoeRunner::prepare / experts / finalize), cuda only ----
+  // The rows prepare writes for T tokens: {num_rows, rows_top_k, format ("bf16" | "nvfp4"),
+  // values_shape, scales_shape (linear [S, H/16]; swizzled: [bytes]; none for bf16)}.
+  nb::dict prepared_rows(int64_t num_tokens, bool swizzled) const {
+    static const std::string where = "Layer.prepared_rows";
+    check(num_tokens >= 0 && num_tokens <= impl_->max_tokens(), where, ": num_tokens must be in [0, max_tokens=",
+          impl_->max_tokens(), "], got ", num_tokens);
+    const StageRowsShape s =
+        impl_->runner(where).prepared_rows(num_tokens, swizzled ? ScaleLayout::Swizzled128x4 : ScaleLayout::Linear);
+    return rows_dict(s, impl_->problem().hidden);
+  }
+
+  void prepare(const nb::handle& hidden_obj, const nb::handle& ids_obj, const nb::handle& weights_obj,
+               const nb::handle& values_obj, const nb::handle& scales_obj, bool swizzled, uintptr_t stream) {
+    static const std::string where = "Layer.prepare";
+    MoeRunner& runner = impl_->runner(where);
+    const MoeProblem& p = impl_->problem();
+    const TensorCheck t{where, true, impl_->device_index()};
+    const int64_t H = p.hidden, k = p.top_k();
+    Overlaps memory;
+    const InArray hidden = as_array<InArray>(where, "hidden_states", hidden_obj);
+    PrepareArgs a;
+    a.hidden = t(hidden, "hidden_states", Elem::BF16, {-1, H}, "[T, H]", 16);
+    a.num_tokens = int64_t(hidden.shape(0));
+    check(a.num_tokens <= impl_->max_tokens(), where, ": hidden_states: T = ", a.num_tokens,
+          " exceeds the layer's max_tokens = ", impl_->max_tokens());
+    memory.add(hidden, "hidden_states", false);
+    const int64_t T = a.num_tokens;
+    // Read only where a token's slots differ (per-expert input scales, the router weight on the input).
+    if (const auto ids = as_optional_array<InArray>(where, "topk_ids", ids_obj)) {
+      a.topk_ids = static_cast<const int32_t*>(t(*ids, "topk_ids", Elem::I32, {T, k}, "[T, k]"));
+      memory.add(*ids, "topk_ids", false);
+    }
+    check(a.topk_ids || p.act_quant != ActQuant::W4A4PerExpert, where,
+          ": topk_ids is required with act_quant w4a4_per_expert (each copy takes its expert's input scale)");
+    if (const auto w = as_optional_array<InArray>(where, "topk_weights", weights_obj)) {
+      a.topk_weights = static_cast<const float*>(t(*w, "topk_weights", Elem::F32, {T, k}, "[T, k]"));
+      memory.add(*w, "topk_weights", false);
+    }
+    check(a.topk_weights || !p.routing.apply_router_weight_on_input, where,
+          ": topk_weights is required: the router weight goes on the input (apply_router_weight_on_input)");
+    const StageRowsShape shape = runner.prepared_rows(T, swizzled ? ScaleLayout::Swizzled128x4 : ScaleLayout::Linear);
+    a.rows = shape.rows;
+    rows_tensors(where, t, memory, values_obj, scales_obj, shape, true, a.rows);
+    memory.check(where);
+    const Status st = [&] {
+      nb::gil_scoped_release release;
+      return runner.prepare(reinterpret_cast<CUstream_st*>(stream), a);
+    }();
+    if (!st.ok()) throw Error(where + ": " + st.message);
+  }
+
+  void experts(const nb::handle& values_obj, const nb::handle& scales_obj, bool swizzled, const nb::handle& ids_obj,
+               const nb::handle& y_obj, const nb::handle& workspace_obj, uintptr_t stream) {
+    static const std::string where = "Layer.experts";
+    MoeRunner& runner = impl_->runner(where);
+    const MoeProblem& p = impl_->problem();
+    const TensorCheck t{where, true, impl_->device_index()};
+    const int64_t H = p.hidden;
+    Overlaps memory;
+    const InArray ids = as_array<InArray>(where, "topk_ids", ids_obj);
+    ExpertsArgs a;
+    a.topk_ids = static_cast<const int32_t*>(t(ids, "topk_ids", Elem::I32, {-1, -1}, "[S, rows_top_k]"));
+    memory.add(ids, "topk_ids", false);
+    const int64_t S = int64_t(ids.shape(0)), rk = int64_t(ids.shape(1));
+    check(rk >= 1 && rk <= p.top_k(), where, ": topk_ids: rows_top_k (its second extent) must be in [1, top_k=",
+          p.top_k(), "], got ", rk);
+    check(S * rk <= impl_->max_tokens() * p.top_k(), where, ": topk_ids: S * rows_top_k = ", S * rk,
+          " exceeds max_tokens * top_k = ", impl_->max_tokens() * p.top_k());
+    // The bytes of S rows in the problem's format (any S: rows may come from other ranks).
+    const StageRowsShape shape =
+        runner.rows_shape(S, int(rk), swizzled ? ScaleLayout::Swizzled128x4 : ScaleLayout::Linear);
+    a.rows = shape.rows;
+    rows_tensors(where, t, memory, values_obj, scales_obj, shape, false, a.rows);
+    const Array y = as_array<Array>(where, "y", y_obj);
+    a.y = static_cast<float*>(t(y, "y", Elem::F32, {S * rk, H}, "[S * rows_top_k, H]", 16));
+    memory.add(y, "y", true);
+    workspace_tensor(where, t, memory, workspace_obj, a.workspace, a.workspace_bytes);
+    memory.check(where);
+    const Status st = [&] {
+      nb::gil_scoped_release release;
+      return runner.experts(reinterpret_cast<CUstream_st*>(stream), a);
+    }();
+    if (!st.ok()) throw Error(where + ": " + st.message);
+  }
+
+  void finalize(const nb::handle& y_obj, const nb::handle& ids_obj, const nb::handle& weights_obj,
+                const nb::handle& output_obj, uintptr_t stream) {
+    static const std::string where = "Layer.finalize";
+    MoeRunner& runner = impl_->runner(where);
+    const MoeProblem& p = impl_->problem();
+    const TensorCheck t{where, true, impl_->device_index()};
+    const int64_t H = p.hidden, k = p.top_k();
+    Overlaps memory;
+    const InArray ids = as_array<InArray>(where, "topk_ids", ids_obj);
+    FinalizeArgs a;
+    a.topk_ids = static_cast<const int32_t*>(t(ids, "topk_ids", Elem::I32, {-1, k}, "[T, k]"));
+    a.num_tokens = int64_t(ids.shape(0));
+    const int64_t T = a.num_tokens;
+    check(T <= impl_->max_tokens(), where, ": topk_ids: T = ", T, " exceeds the layer's max_tokens = ",
+          impl_->max_tokens());
+    memory.add(ids, "topk_ids", false);
+    const InArray w = as_array<InArray>(where, "topk_weights", weights_obj);
+    a.topk_weights = static_cast<const float*>(t(w, "topk_weights", Elem::F32, {T, k}, "[T, k]"));
+    memory.add(w, "topk_weights", false);
+    const InArray y = as_array<InArray>(where, "y", y_obj);
+    a.y = static_cast<const float*>(t(y, "y", Elem::F32, {T * k, H}, "[T * k, H]", 16));
+    memory.add(y, "y", false);
+    const Array out = as_array<Array>(where, "output", output_obj);
+    a.output = t(out, "output", Elem::F32OrBF16, {T, H}, "[T, H]", 16);
+    a.output_dtype = matches(out.dtype(), Elem::F32) ? OutputDType::F32 : OutputDType::BF16;
+    memory.add(out, "output", true);
+    memory.check(where);
+    const Status st = [&] {
+      nb::gil_scoped_release release;
+      return runner.finalize(reinterpret_cast<CUstream_st*>(stream), a);
+    }();
+    if (!st.ok()) throw Error(where + ": " + st.message);
+  }
+
  private:
+  static nb::dict rows_dict(const StageRowsShape& s, int64_t H) {
+    nb::dict d;
+    const bool bf16 = s.rows.format == RowFormat::BF16;
+    const int64_t S = s.rows.num_rows;
+    d["num_rows"] = S;
+    d["rows_top_k"] = s.rows.rows_top_k;
+    d["format"] = bf16 ? "bf16" : "nvfp4";
+    d["scale_layout"] = s.rows.scale_layout == ScaleLayout::Linear ? "linear" : "swizzled";
+    d["values_shape"] = nb::make_tuple(S, bf16 ? H : H / 2);
+    if (bf16) d["scales_shape"] = nb::none();
+    else if (s.rows.scale_layout == ScaleLayout::Linear) d["scales_shape"] = nb::make_tuple(S, H / 16);
+    else d["scales_shape"] = nb::make_tuple(int64_t(s.scales_bytes));
+    return d;
+  }
+
+  // The values / scales tensors of rows with `shape` (written by prepare, read by experts).
+  static void rows_tensors(const std::string& where, const TensorCheck& t, Overlaps& memory, const nb::handle& values_obj,
+                           const nb::handle& scales_obj, const StageRowsShape& shape, bool written, StageRows& rows) {
+    const int64_t S = shape.rows.num_rows;
+    const bool bf16 = shape.rows.format == RowFormat::BF16;
+    const Array values = as_array<Array>(where, "values", values_obj);
+    const int64_t H = bf16 ? int64_t(shape.values_bytes / 2) : int64_t(shape.values_bytes * 2);  // all rows
+    const int64_t cols = S > 0 ? H / S : 0;
+    rows.values = bf16 ? t(values, "values", Elem::BF16, {S, S > 0 ? cols : -1}, "[S, H] bf16", 16)
+                       : t(values, "values", Elem::Packed, {S, S > 0 ? cols / 2 : -1}, "[S, H/2] packed e2m1", 8);
+    memory.add(values, "values", written);
+    const std::optional<Array> scales = as_optional_array<Array>(where, "scales", scales_obj);
+    if (bf16) {
+      check(!scales.has_value(), where, ": scales must be None: bf16 rows (act_quant w4a16) have no scales");
+      rows.scales = nullptr;
+      return;
+    }
+    check(scales.has_value(), where, ": scales is required: NVFP4 rows (act_quant w4a4) carry e4m3 block scales");
+    if (shape.rows.scale_layout == ScaleLayout::Linear) {
+      rows.scales = t(*scales, "scales", Elem::E4M3, {S, S > 0 ? int64_t(shape.scales_bytes) / S : -1}, "[S, H/16] e4m3");
+    } else {
+      t.check_device(*scales, "scales");
+      check(matches(scales->dtype(), Elem::E4M3) && size_t(scales->size()) == shape.scales_bytes, where,
+            ": scales: the 128x4-swizzled layout of [", S, ", H/16] holds ", shape.scales_bytes,
+            " float8_e4m3fn / uint8 elements, got ", scales->size(), " of ", dtype_name(scales->dtype()));
+      t.check_layout(*scales, "scales");
+      rows.scales = scales->data();
+    }
+    memory.add(*scales, "scales", written);
+  }
+
+  void workspace_tensor(const std::string& where, const TensorCheck& t, Overlaps& memory, const nb::handle& obj,
+                        void*& ptr, size_t& bytes) const {
+    const std::optional<Array> workspace = as_optional_array<Array>(where, "workspace", obj);
+    check(workspace.has_value(), where, ": workspace is required on cuda (workspace_size() = ",
+          impl_->workspace_size(), " bytes)");
+    ptr = t(*workspace, "workspace", Elem::Bytes, {-1}, "[bytes]", 256);
+    bytes = size_t(workspace->nbytes());
+    check(bytes >= impl_->workspace_size(), where, ": workspace: expected at least workspace_size() = ",
+          impl_->workspace_size(), " bytes, got ", bytes);
+    memory.add(*workspace, "workspace", true);
+  }
+
   std::shared_ptr<PreparedLayer> impl_;
   int64_t id_;
 };

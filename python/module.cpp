@@ -320,7 +320,16 @@ NB_MODULE(_fp4moe, m) {
       .def("use_tune_cache", &Layer::use_tune_cache, "path"_a)
       .def("forward", &Layer::forward, "hidden_states"_a.none(), "router_logits"_a.none(), "routing_bias"_a.none(),
            "topk_ids"_a.none(), "topk_weights"_a.none(), "output"_a.none(), "workspace"_a.none(), "stream"_a,
-           "Runs the layer into caller tensors (no allocation, no synchronisation on cuda).");
+           "Runs the layer into caller tensors (no allocation, no synchronisation on cuda).")
+      .def("prepared_rows", &Layer::prepared_rows, "num_tokens"_a, "swizzled"_a,
+           "The rows prepare writes for num_tokens tokens (cuda).")
+      .def("prepare", &Layer::prepare, "hidden_states"_a.none(), "topk_ids"_a.none(), "topk_weights"_a.none(),
+           "values"_a.none(), "scales"_a.none(), "swizzled"_a, "stream"_a,
+           "Stage 2: hidden_states -> the GEMM1 operand rows (cuda).")
+      .def("experts", &Layer::experts, "values"_a.none(), "scales"_a.none(), "swizzled"_a, "topk_ids"_a.none(),
+           "y"_a.none(), "workspace"_a.none(), "stream"_a, "Stage 3: rows -> y per entry (cuda).")
+      .def("finalize", &Layer::finalize, "y"_a.none(), "topk_ids"_a.none(), "topk_weights"_a.none(),
+           "output"_a.none(), "stream"_a, "Stage 4: y -> the output, slots summed in order (cuda).");
 
   bind_jax_ffi(m);
 }

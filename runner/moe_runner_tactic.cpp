@@ -46,4 +46,8 @@ StageRowsShape MoeRunner::prepared_rows(int64_t num_tokens, ScaleLayout layout) 
   return runner::stage_rows_shape(problem_, num_tokens, layout);
 }
 
+StageRowsShape MoeRunner::rows_shape(int64_t num_rows, int rows_top_k, ScaleLayout layout) const {
+  return runner::stage_rows_of(problem_, num_rows, rows_top_k, layout);
+}
+
 }  // namespace fp4moe

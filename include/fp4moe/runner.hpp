@@ -139,6 +139,9 @@ class MoeRunner {
   // ---- the layer as stages (see StageRows); arguments are checked before any launch ----
   // The rows prepare writes for T tokens; layout applies to NVFP4 rows.
   StageRowsShape prepared_rows(int64_t num_tokens, ScaleLayout layout = ScaleLayout::Linear) const;
+  // The shape and bytes of any S rows with rows_top_k ids each in this problem's row format (rows that
+  // arrive from other ranks).
+  StageRowsShape rows_shape(int64_t num_rows, int rows_top_k, ScaleLayout layout = ScaleLayout::Linear) const;
   // hidden -> rows: the activation quantization (w4a4) or bf16 passthrough, per token or per entry.
   virtual Status prepare(CUstream_st* stream, const PrepareArgs& args) = 0;
   // rows -> y: permutation by expert, GEMM1 + activation, GEMM2, with the tactic of

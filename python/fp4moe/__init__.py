@@ -43,15 +43,15 @@ def _framework(x):
 
 
 def _empty(like, shape, kind):
-    """An uninitialised tensor of `kind` ("bf16", "int32", "float32") in `like`'s framework and device."""
+    """An uninitialised tensor of `kind` ("bf16", "int32", "float32", "uint8") in `like`'s framework and device."""
     framework = _framework(like)
     if framework == "torch":
         import torch
-        dtype = {"bf16": torch.bfloat16, "int32": torch.int32, "float32": torch.float32}[kind]
+        dtype = {"bf16": torch.bfloat16, "int32": torch.int32, "float32": torch.float32, "uint8": torch.uint8}[kind]
         return torch.empty(shape, dtype=dtype, device=like.device)
     if framework in ("cupy", "numpy"):
         xp = __import__(framework)
-        dtype = {"bf16": xp.uint16, "int32": xp.int32, "float32": xp.float32}[kind]
+        dtype = {"bf16": xp.uint16, "int32": xp.int32, "float32": xp.float32, "uint8": xp.uint8}[kind]
         if framework == "cupy":
             with like.device:
                 return xp.empty(shape, dtype=dtype)
@@ -275,6 +275,72 @@ class MoeLayer:
         handle = _stream_handle(stream, hidden_states, self._device_index) if self._on_cuda else 0
         self._impl.forward(hidden_states, router_logits, routing_bias, topk_ids, topk_weights, output, workspace,
                            handle)
+
+
+    # ---- the layer as stages (cuda): route -> prepare -> experts -> finalize, the fused forward's bits ----
+
+    def _swizzled(self, where, scale_layout):
+        if scale_layout not in ("linear", "swizzled"):
+            raise Error(f"{where}: scale_layout must be 'linear' or 'swizzled', got {scale_layout!r}")
+        return scale_layout == "swizzled"
+
+    def prepared_rows(self, num_tokens, *, scale_layout="linear"):
+        """What prepare writes for num_tokens tokens: a dict with num_rows (S: T, or T * k where a token's
+        slots differ), rows_top_k (ids per row: k or 1), format ("bf16" in w4a16, "nvfp4" in w4a4),
+        scale_layout, values_shape and scales_shape (None for bf16)."""
+        swizzled = self._swizzled("MoeLayer.prepared_rows", scale_layout)
+        return self._impl.prepared_rows(_index("MoeLayer.prepared_rows", "num_tokens", num_tokens), swizzled)
+
+    def prepare(self, hidden_states, topk_ids=None, topk_weights=None, *, scale_layout="linear", values=None,
+                scales=None, stream=None):
+        """Stage 2: hidden_states [T, H] -> (values, scales), the GEMM1 operand rows: bf16 [S, H] (w4a16;
+        scales None) or NVFP4, packed e2m1 uint8 [S, H/2] with e4m3 block scales (uint8 bits; [S, H/16], or
+        the 128x4-swizzled bytes with scale_layout="swizzled"). Row order: token t (S = T), or entry t*k + j
+        (S = T*k; per-expert input scales, which read topk_ids, or the router weight on the input, which
+        reads topk_weights). values / scales: caller tensors to write (default: allocated)."""
+        where = "MoeLayer.prepare"
+        swizzled = self._swizzled(where, scale_layout)
+        T = _shape(where, "hidden_states", hidden_states, 2)[0]
+        if T > self.max_tokens:
+            raise Error(f"{where}: hidden_states: T = {T} exceeds the layer's max_tokens = {self.max_tokens}")
+        rows = self._impl.prepared_rows(T, swizzled)
+        if values is None:
+            values = _empty(hidden_states, rows["values_shape"], "bf16" if rows["format"] == "bf16" else "uint8")
+        if scales is None and rows["scales_shape"] is not None:
+            scales = _empty(hidden_states, rows["scales_shape"], "uint8")
+        handle = _stream_handle(stream, hidden_states, self._device_index) if self._on_cuda else 0
+        self._impl.prepare(hidden_states, topk_ids, topk_weights, values, scales, swizzled, handle)
+        return values, scales
+
+    def experts(self, values, scales, topk_ids, *, scale_layout="linear", y=None, stream=None, workspace=None):
+        """Stage 3: rows (from prepare, or received from other ranks, in any order) with their expert ids
+        topk_ids [S, rows_top_k] -> y float32 [S * rows_top_k, H], row s * rows_top_k + j the output of
+        row s's j-th expert without w2_bias (finalize adds it); entries whose id is outside [0, E) have no
+        GEMM row and are not written. The tactic is the fused forward's for ceil(S * rows_top_k / k) tokens."""
+        where = "MoeLayer.experts"
+        swizzled = self._swizzled(where, scale_layout)
+        S, rk = _shape(where, "topk_ids", topk_ids, 2)
+        if y is None:
+            y = _empty(topk_ids, (S * rk, self.problem.hidden), "float32")
+        if workspace is None:
+            workspace = self._workspace
+        handle = _stream_handle(stream, topk_ids, self._device_index) if self._on_cuda else 0
+        self._impl.experts(values, scales, swizzled, topk_ids, y, workspace, handle)
+        return y
+
+    def finalize(self, y, topk_ids, topk_weights, *, output=None, output_dtype="bfloat16", stream=None):
+        """Stage 4: y [T * k, H] (experts) -> output [T, H]: the weighted sum of each token's slots in slot
+        order (+ w2_bias), bf16 or the float32 sums; ids outside [0, E) make their token's row NaN, or
+        add nothing with skip_foreign_ids (an expert-parallel rank)."""
+        where = "MoeLayer.finalize"
+        if output_dtype not in ("bfloat16", "float32"):
+            raise Error(f"{where}: output_dtype must be 'bfloat16' or 'float32', got {output_dtype!r}")
+        T = _shape(where, "topk_ids", topk_ids, 2)[0]
+        if output is None:
+            output = _empty(y, (T, self.problem.hidden), "bf16" if output_dtype == "bfloat16" else "float32")
+        handle = _stream_handle(stream, y, self._device_index) if self._on_cuda else 0
+        self._impl.finalize(y, topk_ids, topk_weights, output, handle)
+        return output
 
 
 class Router:

@@ -60,8 +60,11 @@ struct StageRig {
 
   // The fused forward (routing from logits, or forward_routed for precomputed routing): output bits.
   std::vector<uint16_t> fused() {
-    EXPECT_EQ(buf->upload(c), cudaSuccess);
-    if (c.problem.routing.method == RoutingMethod::Precomputed) {
+    if (c.problem.routing.method != RoutingMethod::Precomputed) {
+      EXPECT_EQ(buf->upload(c), cudaSuccess);
+    } else {  // no logits: the hidden rows, the case's ids and weights
+      EXPECT_EQ(cudaMemcpy(buf->hidden.ptr, c.hidden_states.data(), c.hidden_states.size() * 2, cudaMemcpyHostToDevice),
+                cudaSuccess);
       EXPECT_EQ(cudaMemcpy(buf->args.topk_ids, c.topk_ids.data(), c.topk_ids.size() * 4, cudaMemcpyHostToDevice),
                 cudaSuccess);
       EXPECT_EQ(cudaMemcpy(buf->args.topk_weights, c.topk_weights.data(), c.topk_weights.size() * 4,
