@@ -421,17 +421,20 @@ class Layer {
     memory.add(hidden, "hidden_states", false);
     const int64_t T = a.num_tokens;
     // Read only where a token's slots differ (per-expert input scales, the router weight on the input).
-    if (const auto ids = as_optional_array<InArray>(where, "topk_ids", ids_obj)) {
+    // NOTE: presence, not the pointer: an empty tensor's data may be null.
+    const auto ids = as_optional_array<InArray>(where, "topk_ids", ids_obj);
+    if (ids) {
       a.topk_ids = static_cast<const int32_t*>(t(*ids, "topk_ids", Elem::I32, {T, k}, "[T, k]"));
       memory.add(*ids, "topk_ids", false);
     }
-    check(a.topk_ids || p.act_quant != ActQuant::W4A4PerExpert, where,
+    check(ids.has_value() || p.act_quant != ActQuant::W4A4PerExpert, where,
           ": topk_ids is required with act_quant w4a4_per_expert (each copy takes its expert's input scale)");
-    if (const auto w = as_optional_array<InArray>(where, "topk_weights", weights_obj)) {
+    const auto w = as_optional_array<InArray>(where, "topk_weights", weights_obj);
+    if (w) {
       a.topk_weights = static_cast<const float*>(t(*w, "topk_weights", Elem::F32, {T, k}, "[T, k]"));
       memory.add(*w, "topk_weights", false);
     }
-    check(a.topk_weights || !p.routing.apply_router_weight_on_input, where,
+    check(w.has_value() || !p.routing.apply_router_weight_on_input, where,
           ": topk_weights is required: the router weight goes on the input (apply_router_weight_on_input)");
     const StageRowsShape shape = runner.prepared_rows(T, swizzled ? ScaleLayout::Swizzled128x4 : ScaleLayout::Linear);
     a.rows = shape.rows;
