@@ -358,3 +358,21 @@ def test_what_fp4moe_cannot_honour_raises_not_implemented():
         call_trtllm(hidden, None, logits, None, t, E, k, I, "Renormalize", fi.ActivationType.Swiglu, {})
     with pytest.raises(ValueError, match="must be a CUDA tensor"):
         call_trtllm(hq.cpu(), hs, logits, None, t, E, k, I, "Renormalize", fi.ActivationType.Swiglu, {})
+
+
+def test_the_switching_snippet_of_docs_flashinfer_md_runs():
+    import pathlib
+    import re
+    text = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "flashinfer.md").read_text()
+    snippet = re.search(r"```python\n(.*?)```", text, re.S).group(1)
+    E, H, I, k, T = 16, 256, 128, 4, 9
+    w, hidden, hq, hs, a_gs, c_gs, t = trtllm_inputs(E, H, I, k, "Swiglu", T, 140)
+    logits = torch.randn(T, E, generator=torch.Generator().manual_seed(141)).to(DEV)
+    scope = dict(router_logits=logits, hidden_fp4=hq, hidden_scale=hs, num_experts=E, top_k=k, intermediate_size=I,
+                 **{name: t[name] for name in ("gemm1_weights", "gemm1_weights_scale", "gemm2_weights",
+                                               "gemm2_weights_scale", "output1_scale_scalar",
+                                               "output1_scale_gate_scalar", "output2_scale_scalar")})
+    exec(snippet, scope)
+    ids, weights = route_like_flashinfer("Renormalize", E, k, logits, None)
+    ref = routed_reference(w, "Swiglu", k, ids, weights, hidden, a_gs, c_gs)
+    expect_layer_close(scope["output"].float().cpu().numpy(), ref.float().numpy(), "docs/flashinfer.md snippet")
