@@ -90,11 +90,14 @@ class Weights:
 ROUTING = {  # FlashInfer method -> (fp4moe method keywords, top_k)
     "Default": (dict(routing_method="default"), 4),
     "Renormalize": (dict(routing_method="renormalize"), 4),
+    "RenormalizeNaive": (dict(routing_method="renormalize"), 4),  # the same weights (FlashInfer: one kernel)
     "TopK": (dict(routing_method="topk"), 2),
     "Sigmoid": (dict(routing_method="sigmoid"), 4),
     "SigmoidRenorm": (dict(routing_method="sigmoid_renorm"), 4),
     "Llama4": (dict(routing_method="llama4"), 1),
     "DeepSeekV3": (dict(routing_method="deepseek_v3", n_group=4, topk_group=2, routed_scaling_factor=2.5), 4),
+    # sigmoid + bias selects without groups, the un-biased sigmoids normalised and scaled
+    "MiniMax2": (dict(routing_method="deepseek_v3", routed_scaling_factor=2.0), 4),
 }
 ACTIVATIONS = {  # name -> (ActivationType, fp4moe activation, alpha, beta, limit)
     "Swiglu": (fi.ActivationType.Swiglu, "swiglu", None, None, None),
@@ -185,7 +188,7 @@ def test_trtllm_routing_methods_match_the_reference(method, tokens):
     w, hidden, hq, hs, a_gs, c_gs, tensors = trtllm_inputs(E, H, I, k, "Swiglu", tokens, 10 + tokens)
     g = torch.Generator().manual_seed(tokens)
     logits = torch.randn(tokens, E, generator=g).to(DEV)
-    bias = torch.randn(E, generator=g).to(DEV) if method == "DeepSeekV3" else None
+    bias = torch.randn(E, generator=g).to(DEV) if method in ("DeepSeekV3", "MiniMax2") else None
     (out,) = call_trtllm(hq, hs, logits, bias, tensors, E, k, I, method, fi.ActivationType.Swiglu, kw)
     ids, weights = route_like_flashinfer(method, E, k, logits, bias)
     ref = routed_reference(w, "Swiglu", k, ids, weights, hidden, a_gs, c_gs)
