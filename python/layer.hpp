@@ -440,11 +440,7 @@ class Layer {
     a.rows = shape.rows;
     rows_tensors(where, t, memory, values_obj, scales_obj, shape, true, a.rows);
     memory.check(where);
-    const Status st = [&] {
-      nb::gil_scoped_release release;
-      return runner.prepare(reinterpret_cast<CUstream_st*>(stream), a);
-    }();
-    if (!st.ok()) throw Error(where + ": " + st.message);
+    run_stage(where, [&] { return runner.prepare(reinterpret_cast<CUstream_st*>(stream), a); });
   }
 
   void experts(const nb::handle& values_obj, const nb::handle& scales_obj, bool swizzled, const nb::handle& ids_obj,
@@ -474,11 +470,7 @@ class Layer {
     memory.add(y, "y", true);
     workspace_tensor(where, t, memory, workspace_obj, a.workspace, a.workspace_bytes);
     memory.check(where);
-    const Status st = [&] {
-      nb::gil_scoped_release release;
-      return runner.experts(reinterpret_cast<CUstream_st*>(stream), a);
-    }();
-    if (!st.ok()) throw Error(where + ": " + st.message);
+    run_stage(where, [&] { return runner.experts(reinterpret_cast<CUstream_st*>(stream), a); });
   }
 
   void finalize(const nb::handle& y_obj, const nb::handle& ids_obj, const nb::handle& weights_obj,
@@ -508,14 +500,21 @@ class Layer {
     a.output_dtype = matches(out.dtype(), Elem::F32) ? OutputDType::F32 : OutputDType::BF16;
     memory.add(out, "output", true);
     memory.check(where);
-    const Status st = [&] {
-      nb::gil_scoped_release release;
-      return runner.finalize(reinterpret_cast<CUstream_st*>(stream), a);
-    }();
-    if (!st.ok()) throw Error(where + ": " + st.message);
+    run_stage(where, [&] { return runner.finalize(reinterpret_cast<CUstream_st*>(stream), a); });
   }
 
  private:
+  // A stage call without the Python lock; its failure as an Error naming the entry point.
+  template <typename Call>
+  static void run_stage(const std::string& where, Call&& call) {
+    Status st;
+    {
+      nb::gil_scoped_release release;
+      st = call();
+    }
+    if (!st.ok()) throw Error(where + ": " + st.message);
+  }
+
   static nb::dict rows_dict(const StageRowsShape& s, int64_t H) {
     nb::dict d;
     const bool bf16 = s.rows.format == RowFormat::BF16;

@@ -2,6 +2,7 @@
 #include "runner/forward_plan.hpp"
 
 #include "fp4moe/error.hpp"
+#include "fp4moe/format.hpp"
 
 namespace fp4moe::runner {
 
@@ -99,8 +100,7 @@ StageRowsShape stage_rows_of(const MoeProblem& p, int64_t S, int rows_top_k, Sca
     s.values_bytes = size_t(S * H * 2);
   } else {
     s.values_bytes = size_t(S * H / 2);
-    s.scales_bytes = layout == ScaleLayout::Linear ? size_t(S * H / 16)
-                                                   : size_t((S + 127) / 128 * 128 * ((H / 16 + 3) / 4 * 4));
+    s.scales_bytes = size_t(layout == ScaleLayout::Linear ? S * H / 16 : format::swizzled_scales_size(1, S, H / 16));
   }
   return s;
 }

@@ -248,6 +248,16 @@ class GpuMoeRunner final : public MoeRunner {
     return WorkspacePlan(problem_, max_tokens, split1, split2);
   }
   Status run(cudaStream_t stream, const ForwardArgs& args, bool routed, cudaEvent_t const* marks);
+  // What the forward and the experts stage share. The permutation of `rows` rows with top_k ids each into
+  // the workspace's tables, clearing the counters the GEMMs of this launch sequence use.
+  kernels::PermuteArgs permute_args(void* ws, const WorkspacePlan& plan, const int32_t* ids, int rows, int top_k,
+                                    int tile_rows, int64_t tiles, bool clear_split1, bool clear_split2,
+                                    bool tile_handoff) const;
+  // GEMM1's arguments but its A operand (a, rows and the gather), GEMM2's but its outputs.
+  kernels::Gemm1Args gemm1_args(const GemmLaunch& gl, void* ws, const WorkspacePlan& plan, runner::EarlyStart early,
+                                bool tile_handoff) const;
+  kernels::Gemm2Args gemm2_args(const GemmLaunch& gl, const kernels::Gemm1Args& g1, void* ws,
+                                const WorkspacePlan& plan, runner::EarlyStart early, bool tile_handoff) const;
 
   int device_;
   bool prepared_ = false;
@@ -442,34 +452,11 @@ Status GpuMoeRunner::run(cudaStream_t stream, const ForwardArgs& a, bool routed,
   float* weights = a.topk_weights;
   const int64_t tiles = kernels::max_tiles(fp.entries, E, fp.tile_rows);
 
-  kernels::PermuteArgs pa;
-  pa.topk_ids = ids;
-  pa.num_tokens = T;
-  pa.top_k = k;
-  pa.num_experts = E;
-  pa.tile_rows = fp.tile_rows;
-  pa.expert_offsets = region<int32_t>(ws, ws_plan.expert_offsets);
-  pa.row_to_entry = region<int32_t>(ws, ws_plan.row_to_entry);
-  pa.entry_to_row = region<int32_t>(ws, ws_plan.entry_to_row);
-  pa.tile_expert = region<int32_t>(ws, ws_plan.tile_expert);
-  pa.tile_row_start = region<int32_t>(ws, ws_plan.tile_row_start);
-  pa.num_tiles = region<int32_t>(ws, ws_plan.num_tiles);
-  pa.scratch = region<void>(ws, ws_plan.permute_scratch);
+  kernels::PermuteArgs pa = permute_args(ws, ws_plan, ids, T, k, fp.tile_rows, tiles, fp.clear_split1,
+                                         fp.clear_split2, fp.tile_handoff);
   if (fp.finalize_in_gemm2) {
     pa.zero_words[0] = region<int32_t>(ws, ws_plan.finalize_counters);
     pa.zero_count[0] = kernels::gemm2_finalize_counter_count(T, p.hidden);
-  }
-  if (fp.clear_split1) {
-    pa.zero_words[1] = region<int32_t>(ws, ws_plan.split1);
-    pa.zero_count[1] = static_cast<int64_t>(kernels::gemm_stream_counter_bytes(tiles, p.w13_rows()) / sizeof(int32_t));
-  }
-  if (fp.clear_split2) {
-    pa.zero_words[2] = region<int32_t>(ws, ws_plan.split2);
-    pa.zero_count[2] = static_cast<int64_t>(kernels::gemm_stream_counter_bytes(tiles, p.hidden) / sizeof(int32_t));
-  }
-  if (fp.tile_handoff) {
-    pa.zero_words[3] = region<int32_t>(ws, ws_plan.tile_ready);
-    pa.zero_count[3] = tiles;
   }
 
   // Stage marks are recorded for the stages a plan drops too (the bench's stage times).
@@ -521,8 +508,7 @@ Status GpuMoeRunner::run(cudaStream_t stream, const ForwardArgs& a, bool routed,
   }
 
   const GemmLaunch gl{pa, tiles, fp.entries, tactic};
-  kernels::Gemm1Args g1;
-  fill_gemm_common(g1, gl, w13_, w13_bytes_, w13_scale_bytes_, alpha1_, p.hidden, p.w13_rows());
+  kernels::Gemm1Args g1 = gemm1_args(gl, ws, ws_plan, fp.gemm1_early_start, fp.tile_handoff);
   g1.a = g.a1;
   if (fp.gather_in_gemm1) {
     g1.a = p.act_quant == ActQuant::W4A16 ? g.hidden : g.a1;  // [T, H]
@@ -530,27 +516,10 @@ Status GpuMoeRunner::run(cudaStream_t stream, const ForwardArgs& a, bool routed,
     g1.a_row_to_entry = pa.row_to_entry;
     g1.a_top_k = k;
   }
-  g1.activation = p.activation;
-  g1.mode = p.act_quant;
-  g1.act_scale = act_scale_.as<float>();
-  g1.act = region<__nv_bfloat16>(ws, ws_plan.act);
-  g1.bias = has_w13_bias_ ? w13_bias_.as<float>() : nullptr;
-  g1.split_workspace = region<void>(ws, ws_plan.split1);
-  g1.early_start = early_start(fp.gemm1_early_start);
-  if (fp.tile_handoff) g1.tile_ready = pa.zero_words[3];
   FP4MOE_LAUNCH(4, "gemm1_act", kernels::launch_gemm1_act(g1, stream));
 
-  kernels::Gemm2Args g2;
-  fill_gemm_common(g2, gl, w2_, w2_bytes_, w2_scale_bytes_, alpha2_, p.inter, p.hidden);
-  g2.a = g1.act;
-  g2.row_to_entry = pa.row_to_entry;
+  kernels::Gemm2Args g2 = gemm2_args(gl, g1, ws, ws_plan, fp.gemm2_early_start, fp.tile_handoff);
   g2.y = fp.fuse_finalize ? nullptr : region<float>(ws, ws_plan.y);
-  g2.split_workspace = region<void>(ws, ws_plan.split2);
-  g2.early_start = early_start(fp.gemm2_early_start);
-  if (fp.tile_handoff) {
-    g2.tile_ready = pa.zero_words[3];
-    g2.tile_ready_count = static_cast<int>(kernels::gemm_stream_ctas_along_n(p.w13_rows()));
-  }
   if (!fp.finalize_launch) {
     g2.out = static_cast<__nv_bfloat16*>(a.output);
     g2.out_weights = fp.unit_weights ? nullptr : weights;
@@ -588,6 +557,71 @@ Status GpuMoeRunner::run(cudaStream_t stream, const ForwardArgs& a, bool routed,
   return Status::success();
 }
 
+kernels::PermuteArgs GpuMoeRunner::permute_args(void* ws, const WorkspacePlan& plan, const int32_t* ids, int rows,
+                                                int top_k, int tile_rows, int64_t tiles, bool clear_split1,
+                                                bool clear_split2, bool tile_handoff) const {
+  const MoeProblem& p = problem_;
+  kernels::PermuteArgs pa;
+  pa.topk_ids = ids;
+  pa.num_tokens = rows;
+  pa.top_k = top_k;
+  pa.num_experts = static_cast<int>(p.num_experts);
+  pa.tile_rows = tile_rows;
+  pa.expert_offsets = region<int32_t>(ws, plan.expert_offsets);
+  pa.row_to_entry = region<int32_t>(ws, plan.row_to_entry);
+  pa.entry_to_row = region<int32_t>(ws, plan.entry_to_row);
+  pa.tile_expert = region<int32_t>(ws, plan.tile_expert);
+  pa.tile_row_start = region<int32_t>(ws, plan.tile_row_start);
+  pa.num_tiles = region<int32_t>(ws, plan.num_tiles);
+  pa.scratch = region<void>(ws, plan.permute_scratch);
+  if (clear_split1) {
+    pa.zero_words[1] = region<int32_t>(ws, plan.split1);
+    pa.zero_count[1] = static_cast<int64_t>(kernels::gemm_stream_counter_bytes(tiles, p.w13_rows()) / sizeof(int32_t));
+  }
+  if (clear_split2) {
+    pa.zero_words[2] = region<int32_t>(ws, plan.split2);
+    pa.zero_count[2] = static_cast<int64_t>(kernels::gemm_stream_counter_bytes(tiles, p.hidden) / sizeof(int32_t));
+  }
+  if (tile_handoff) {
+    pa.zero_words[3] = region<int32_t>(ws, plan.tile_ready);
+    pa.zero_count[3] = tiles;
+  }
+  return pa;
+}
+
+kernels::Gemm1Args GpuMoeRunner::gemm1_args(const GemmLaunch& gl, void* ws, const WorkspacePlan& plan,
+                                            runner::EarlyStart early, bool tile_handoff) const {
+  const MoeProblem& p = problem_;
+  kernels::Gemm1Args g1;
+  fill_gemm_common(g1, gl, w13_, w13_bytes_, w13_scale_bytes_, alpha1_, p.hidden, p.w13_rows());
+  g1.activation = p.activation;
+  g1.mode = p.act_quant;
+  g1.act_scale = act_scale_.as<float>();
+  g1.act = region<__nv_bfloat16>(ws, plan.act);
+  g1.bias = has_w13_bias_ ? w13_bias_.as<float>() : nullptr;
+  g1.split_workspace = region<void>(ws, plan.split1);
+  g1.early_start = early_start(early);
+  if (tile_handoff) g1.tile_ready = gl.permute.zero_words[3];
+  return g1;
+}
+
+kernels::Gemm2Args GpuMoeRunner::gemm2_args(const GemmLaunch& gl, const kernels::Gemm1Args& g1, void* ws,
+                                            const WorkspacePlan& plan, runner::EarlyStart early,
+                                            bool tile_handoff) const {
+  const MoeProblem& p = problem_;
+  kernels::Gemm2Args g2;
+  fill_gemm_common(g2, gl, w2_, w2_bytes_, w2_scale_bytes_, alpha2_, p.inter, p.hidden);
+  g2.a = g1.act;
+  g2.row_to_entry = gl.permute.row_to_entry;
+  g2.split_workspace = region<void>(ws, plan.split2);
+  g2.early_start = early_start(early);
+  if (tile_handoff) {
+    g2.tile_ready = gl.permute.zero_words[3];
+    g2.tile_ready_count = static_cast<int>(kernels::gemm_stream_ctas_along_n(p.w13_rows()));
+  }
+  return g2;
+}
+
 // ---- the layer as stages ----------------------------------------------------------------------------
 
 // The checks every stage makes first.
@@ -617,8 +651,9 @@ Status GpuMoeRunner::prepare(cudaStream_t stream, const PrepareArgs& a) {
   const StageRowsShape shape = runner::stage_rows_shape(p, a.num_tokens, a.rows.scale_layout);
   if (Status s = check_rows_shape(fn, a.rows, shape.rows); !s.ok()) return s;
   if (a.num_tokens == 0) return Status::success();
-  // One row per entry where a token's slots differ (stage_rows_shape), else one per token.
-  const bool per_entry = p.routing.apply_router_weight_on_input || p.act_quant == ActQuant::W4A4PerExpert;
+  // One row per entry where a token's slots differ (stage_rows_shape decides), else one per token; with
+  // k = 1 the two index alike.
+  const bool per_entry = shape.rows.rows_top_k == 1;
   const bool nvfp4 = shape.rows.format == RowFormat::NVFP4;
   const size_t T = size_t(a.num_tokens), H = size_t(p.hidden), k = size_t(p.top_k());
   const DevicePtr ptrs[] = {
@@ -700,31 +735,9 @@ Status GpuMoeRunner::experts(cudaStream_t stream, const ExpertsArgs& a) {
   const int64_t tiles = kernels::max_tiles(ep.entries, E, ep.tile_rows);
   const cudaEvent_t* marks = nullptr;  // FP4MOE_LAUNCH records no stage marks here
 
-  kernels::PermuteArgs pa;
-  pa.topk_ids = a.topk_ids;
-  pa.num_tokens = static_cast<int>(S);
-  pa.top_k = rows.rows_top_k;
-  pa.num_experts = E;
-  pa.tile_rows = ep.tile_rows;
-  pa.expert_offsets = region<int32_t>(ws, ws_plan.expert_offsets);
-  pa.row_to_entry = region<int32_t>(ws, ws_plan.row_to_entry);
-  pa.entry_to_row = region<int32_t>(ws, ws_plan.entry_to_row);
-  pa.tile_expert = region<int32_t>(ws, ws_plan.tile_expert);
-  pa.tile_row_start = region<int32_t>(ws, ws_plan.tile_row_start);
-  pa.num_tiles = region<int32_t>(ws, ws_plan.num_tiles);
-  pa.scratch = region<void>(ws, ws_plan.permute_scratch);
-  if (ep.clear_split1) {
-    pa.zero_words[1] = region<int32_t>(ws, ws_plan.split1);
-    pa.zero_count[1] = static_cast<int64_t>(kernels::gemm_stream_counter_bytes(tiles, p.w13_rows()) / sizeof(int32_t));
-  }
-  if (ep.clear_split2) {
-    pa.zero_words[2] = region<int32_t>(ws, ws_plan.split2);
-    pa.zero_count[2] = static_cast<int64_t>(kernels::gemm_stream_counter_bytes(tiles, p.hidden) / sizeof(int32_t));
-  }
-  if (ep.tile_handoff) {
-    pa.zero_words[3] = region<int32_t>(ws, ws_plan.tile_ready);
-    pa.zero_count[3] = tiles;
-  }
+  const kernels::PermuteArgs pa = permute_args(ws, ws_plan, a.topk_ids, static_cast<int>(S), rows.rows_top_k,
+                                               ep.tile_rows, tiles, ep.clear_split1, ep.clear_split2,
+                                               ep.tile_handoff);
   FP4MOE_LAUNCH(0, "permute", kernels::launch_permute(pa, stream));
 
   // GEMM1's operand rows [S, H] in bf16: the caller's (w4a16) or their decoded values in a1 (NVFP4).
@@ -739,33 +752,15 @@ Status GpuMoeRunner::experts(cudaStream_t stream, const ExpertsArgs& a) {
     a_rows = a1;
   }
   const GemmLaunch gl{pa, tiles, ep.entries, tactic};
-  kernels::Gemm1Args g1;
-  fill_gemm_common(g1, gl, w13_, w13_bytes_, w13_scale_bytes_, alpha1_, p.hidden, p.w13_rows());
+  kernels::Gemm1Args g1 = gemm1_args(gl, ws, ws_plan, ep.gemm1_early_start, ep.tile_handoff);
   g1.a = a_rows;
   g1.rows = S;
   g1.a_row_to_entry = pa.row_to_entry;
   g1.a_top_k = rows.rows_top_k;
-  g1.activation = p.activation;
-  g1.mode = p.act_quant;
-  g1.act_scale = act_scale_.as<float>();
-  g1.act = region<__nv_bfloat16>(ws, ws_plan.act);
-  g1.bias = has_w13_bias_ ? w13_bias_.as<float>() : nullptr;
-  g1.split_workspace = region<void>(ws, ws_plan.split1);
-  g1.early_start = early_start(ep.gemm1_early_start);
-  if (ep.tile_handoff) g1.tile_ready = pa.zero_words[3];
   FP4MOE_LAUNCH(0, "gemm1_act", kernels::launch_gemm1_act(g1, stream));
 
-  kernels::Gemm2Args g2;
-  fill_gemm_common(g2, gl, w2_, w2_bytes_, w2_scale_bytes_, alpha2_, p.inter, p.hidden);
-  g2.a = g1.act;
-  g2.row_to_entry = pa.row_to_entry;
+  kernels::Gemm2Args g2 = gemm2_args(gl, g1, ws, ws_plan, ep.gemm2_early_start, ep.tile_handoff);
   g2.y = a.y;
-  g2.split_workspace = region<void>(ws, ws_plan.split2);
-  g2.early_start = early_start(ep.gemm2_early_start);
-  if (ep.tile_handoff) {
-    g2.tile_ready = pa.zero_words[3];
-    g2.tile_ready_count = static_cast<int>(kernels::gemm_stream_ctas_along_n(p.w13_rows()));
-  }
   FP4MOE_LAUNCH(0, "gemm2", kernels::launch_gemm2(g2, stream));
   return Status::success();
 }
