@@ -35,6 +35,7 @@
 #include "fp4moe/error.hpp"
 #include "fp4moe/format.hpp"
 #include "fp4moe/reference.hpp"
+#include "reference/dot.hpp"
 #include "reference/parallel.hpp"
 
 namespace fp4moe::reference {
@@ -47,19 +48,6 @@ inline double silu(double g) { return g / (1.0 + std::exp(-g)); }
 inline double gelu_erf(double g) { return 0.5 * g * (1.0 + std::erf(g / std::sqrt(2.0))); }
 
 inline float bf16_round(float x) { return format::bf16_to_float(format::bf16_from_float(x)); }
-
-// Sum of a[i] * b[i] in double (the products of fp32 values are exact in double), rounded to fp32
-// once by the caller. Eight independent accumulators: the fixed order is part of the reference (it
-// only matters below double precision), and it lets the compiler pipeline the loop.
-double dot(const float* a, const float* b, int64_t n) {
-  double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8)
-    for (int j = 0; j < 8; ++j)
-      acc[j] += static_cast<double>(a[i + j]) * static_cast<double>(b[i + j]);
-  for (; i < n; ++i) acc[i % 8] += static_cast<double>(a[i]) * static_cast<double>(b[i]);
-  return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-}
 
 // Grouping of the T*k entries by expert (step 2).
 // Expert-major, stable. Ids outside [0, E) (another rank's experts, skip_foreign_ids) go to a last
@@ -94,7 +82,7 @@ Permutation permute(const std::vector<int32_t>& ids, int64_t num_experts) {
 using RowSource =
     std::function<const float*(int64_t e, int64_t n0, int64_t n1, std::vector<float>& buf)>;
 
-// C[r, n] = alpha[e] * float(dot(A[r], W_e[n])) for every row r of every expert e (step 4 / 6).
+// C[r, n] = alpha[e] * float(detail::dot(A[r], W_e[n])) for every row r of every expert e (step 4 / 6).
 // A [R, K] and C [R, N] are in permuted order. Work item: (expert, block of weight rows): its
 // weight rows are produced once and kept in cache while every row of A for that expert streams by.
 void expert_gemm(const Permutation& perm, int64_t num_experts, int64_t K, int64_t N, const float* A,
@@ -106,22 +94,29 @@ void expert_gemm(const Permutation& perm, int64_t num_experts, int64_t K, int64_
   for (int64_t e = 0; e < num_experts; ++e)
     if (perm.offsets[e + 1] > perm.offsets[e]) items.push_back(e);
   const int64_t n_items = static_cast<int64_t>(items.size()) * blocks_per_expert;
-  std::vector<std::vector<float>> bufs(static_cast<size_t>(detail::workers_for(n_items)));
+  struct Scratch {
+    std::vector<float> w;              // the block's weight rows from `rows`, when decoded
+    std::vector<double> w64, a64, d;   // (block, K) weight rows and A rows as double; one row's dots
+  };
+  std::vector<Scratch> scratch(static_cast<size_t>(detail::workers_for(n_items)));
   detail::parallel_for(n_items, [&](int64_t item, int worker) {
+    Scratch& sc = scratch[worker];
     const int64_t e = items[item / blocks_per_expert];
     const int64_t n0 = (item % blocks_per_expert) * block;
     const int64_t n1 = std::min(N, n0 + block);
-    const float* W = rows(e, n0, n1, bufs[worker]);
+    const float* W = rows(e, n0, n1, sc.w);
+    sc.w64.assign(W, W + (n1 - n0) * K);
     const float a = alpha[e];
     const int64_t r_begin = perm.offsets[e], r_end = perm.offsets[e + 1];
     for (int64_t rc = r_begin; rc < r_end; rc += block) {
       const int64_t rc_end = std::min(r_end, rc + block);
-      for (int64_t n = n0; n < n1; ++n) {
-        const float* w = W + (n - n0) * K;
-        const float b = bias != nullptr ? bias[e * N + n] : 0.0f;
-        for (int64_t r = rc; r < rc_end; ++r) {
-          const float acc = static_cast<float>(dot(A + r * K, w, K));
-          C[r * N + n] = bias != nullptr ? a * acc + b : a * acc;  // fp32 multiply, then the fp32 add
+      sc.a64.assign(A + rc * K, A + rc_end * K);
+      sc.d.resize(static_cast<size_t>(n1 - n0));
+      for (int64_t r = rc; r < rc_end; ++r) {
+        detail::dot_rows(sc.a64.data() + (r - rc) * K, sc.w64.data(), K, n1 - n0, K, sc.d.data());
+        for (int64_t n = n0; n < n1; ++n) {
+          const float acc = static_cast<float>(sc.d[n - n0]);
+          C[r * N + n] = bias != nullptr ? a * acc + bias[e * N + n] : a * acc;  // fp32 multiply, then the fp32 add
         }
       }
     }
