@@ -66,7 +66,7 @@ target="$(sed -n 's/^python -m pip install --no-build-isolation --no-deps --no-i
 grep -qE "^python -m pip install --no-build-isolation --no-deps --no-index .* $root\$" "$work/calls" && [ -n "$target" ] ||
   { echo "FAIL: the package is not pip-installed from the tree (no isolation, no index, a --target folder)"; fail=1; }
 grep -qx "pytest PYTHONPATH=$target" "$work/calls" || { echo "FAIL: pytest does not import the installed package"; fail=1; }
-grep -qE "^python -m pytest .*-m gpu $root/tests/python\$" "$work/calls" || { echo "FAIL: pytest -m gpu tests/python not run"; fail=1; }
+grep -qE "^python -m pytest -q -rs -p no:cacheprovider $root/tests/python\$" "$work/calls" || { echo "FAIL: pytest tests/python (every test) not run"; fail=1; }
 first="$(grep -m 1 -E '^(tests|python -m pytest)' "$work/calls" | cut -d' ' -f1)"
 [ "$first" = tests ] || { echo "FAIL: the Python GPU tests must run after the C++ GPU tests"; fail=1; }
 tar -tzf "$work/out/results.tgz" >"$work/packed" || { echo "FAIL: no readable results.tgz"; fail=1; }
