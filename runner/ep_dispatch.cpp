@@ -1,0 +1,80 @@
+// runner/ep_dispatch.cpp — the all-to-all dispatch plan (runner/ep_dispatch.hpp).
+#include "runner/ep_dispatch.hpp"
+
+#include <cstring>
+
+#include "fp4moe/checkpoint.hpp"
+#include "fp4moe/error.hpp"
+#include "fp4moe/format.hpp"
+
+namespace fp4moe::ep {
+
+int owner_rank(int64_t num_experts, int ranks, int64_t expert) {
+  if (expert < 0 || expert >= num_experts) return -1;
+  // io::expert_range: the first E mod N ranks hold one expert more.
+  const int64_t base = num_experts / ranks, rem = num_experts % ranks, big = rem * (base + 1);
+  return static_cast<int>(expert < big ? expert / (base + 1) : rem + (expert - big) / base);
+}
+
+DispatchPlan plan_dispatch(const int32_t* ids, int64_t num_rows, int rows_top_k, int64_t num_experts, int ranks) {
+  check(ranks >= 1 && ranks <= num_experts, "plan_dispatch: ranks must be in [1, E=", num_experts, "], got ", ranks);
+  check(num_rows >= 0, "plan_dispatch: num_rows must be >= 0, got ", num_rows);
+  check(rows_top_k >= 1, "plan_dispatch: rows_top_k must be >= 1, got ", rows_top_k);
+  check(num_rows == 0 || ids != nullptr, "plan_dispatch: ids is null, expected [", num_rows, ", ", rows_top_k, "]");
+  DispatchPlan p;
+  p.ranks = ranks;
+  p.num_rows = num_rows;
+  p.rows_top_k = rows_top_k;
+  const int64_t k = rows_top_k, entries = num_rows * k;
+  std::vector<int64_t> first(static_cast<size_t>(ranks));
+  for (int d = 0; d < ranks; ++d) first[d] = io::expert_range(num_experts, d, ranks).first;
+
+  // Counts: a row goes to a rank once however many of its slots that rank holds.
+  p.send_offsets.assign(static_cast<size_t>(ranks) + 1, 0);
+  std::vector<char> goes(static_cast<size_t>(ranks));
+  for (int64_t s = 0; s < num_rows; ++s) {
+    std::fill(goes.begin(), goes.end(), 0);
+    for (int64_t j = 0; j < k; ++j)
+      if (int d = owner_rank(num_experts, ranks, ids[s * k + j]); d >= 0) goes[d] = 1;
+    for (int d = 0; d < ranks; ++d) p.send_offsets[d + 1] += goes[d];
+  }
+  for (int d = 0; d < ranks; ++d) p.send_offsets[d + 1] += p.send_offsets[d];
+
+  p.send_rows.resize(static_cast<size_t>(p.sent()));
+  p.send_ids.assign(static_cast<size_t>(p.sent() * k), -1);
+  p.gather_index.assign(static_cast<size_t>(entries), -1);
+  std::vector<int64_t> fill(p.send_offsets.begin(), p.send_offsets.end() - 1);
+  std::vector<int64_t> slot_of(static_cast<size_t>(ranks));
+  for (int64_t s = 0; s < num_rows; ++s) {
+    std::fill(slot_of.begin(), slot_of.end(), -1);
+    for (int64_t j = 0; j < k; ++j) {
+      const int32_t e = ids[s * k + j];
+      const int d = owner_rank(num_experts, ranks, e);
+      if (d < 0) continue;
+      if (slot_of[d] < 0) {
+        slot_of[d] = fill[d]++;
+        p.send_rows[slot_of[d]] = s;
+      }
+      p.send_ids[slot_of[d] * k + j] = static_cast<int32_t>(e - first[d]);
+      p.gather_index[s * k + j] = slot_of[d] * k + j;
+    }
+  }
+  return p;
+}
+
+int64_t dispatch_row_bytes(const MoeProblem& problem, int rows_top_k) {
+  const int64_t H = problem.hidden;
+  const int64_t row = problem.act_quant == ActQuant::W4A16 ? 2 * H : H / 2 + H / format::kBlockSize;
+  return row + 4 * int64_t(rows_top_k);
+}
+
+int64_t combine_entry_bytes(const MoeProblem& problem) { return 4 * problem.hidden; }
+
+void pack_rows(const DispatchPlan& plan, int d, const uint8_t* rows, int64_t row_bytes, uint8_t* out) {
+  check(d >= 0 && d < plan.ranks, "pack_rows: rank must be in [0, ", plan.ranks, "), got ", d);
+  for (int64_t p = plan.send_offsets[d]; p < plan.send_offsets[d + 1]; ++p)
+    std::memcpy(out + (p - plan.send_offsets[d]) * row_bytes, rows + plan.send_rows[p] * row_bytes,
+                static_cast<size_t>(row_bytes));
+}
+
+}  // namespace fp4moe::ep

@@ -1,0 +1,206 @@
+// tests/runner/ep_dispatch_cpu_test.cpp — the expert-parallel all-to-all plan (runner/ep_dispatch.hpp):
+// counts, order, local ids and the combine's gather index, checked against their definitions on random
+// and extreme routings, and the dispatch run through the CPU reference on virtual ranks: every entry's
+// GEMM2 output comes back equal to the single layer's bit for bit.
+#include "runner/ep_dispatch.hpp"
+
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "error_message.hpp"
+#include "fp4moe/case_file.hpp"
+#include "fp4moe/checkpoint.hpp"
+#include "fp4moe/presets.hpp"
+#include "fp4moe/reference.hpp"
+#include "layout_fixtures.hpp"
+
+namespace fp4moe {
+namespace {
+
+std::vector<int32_t> random_ids(int64_t rows, int k, int64_t E, uint64_t seed, double invalid = 0.0) {
+  std::mt19937_64 rng(seed);
+  std::vector<int32_t> ids(static_cast<size_t>(rows * k));
+  for (int64_t s = 0; s < rows; ++s) {
+    std::vector<int32_t> pool(static_cast<size_t>(E));
+    for (int64_t e = 0; e < E; ++e) pool[e] = static_cast<int32_t>(e);
+    std::shuffle(pool.begin(), pool.end(), rng);  // distinct experts per row, as a router gives
+    for (int j = 0; j < k; ++j) ids[s * k + j] = pool[j];
+  }
+  std::bernoulli_distribution bad(invalid);
+  for (auto& id : ids)
+    if (bad(rng)) id = (rng() & 1) ? static_cast<int32_t>(E + rng() % 5) : -1 - static_cast<int32_t>(rng() % 3);
+  return ids;
+}
+
+// Every property of the plan, from its definition.
+void check_plan(const ep::DispatchPlan& p, const std::vector<int32_t>& ids, int64_t S, int k, int64_t E, int N) {
+  ASSERT_EQ(p.send_offsets.size(), size_t(N) + 1);
+  ASSERT_EQ(p.send_offsets[0], 0);
+  std::vector<int64_t> first(N);
+  for (int d = 0; d < N; ++d) first[d] = io::expert_range(E, d, N).first;
+  for (int d = 0; d < N; ++d) {
+    // The rows with an id on d, ascending: exactly those sent to d, in that order.
+    std::vector<int64_t> want;
+    for (int64_t s = 0; s < S; ++s) {
+      bool any = false;
+      for (int j = 0; j < k; ++j) any |= ep::owner_rank(E, N, ids[s * k + j]) == d;
+      if (any) want.push_back(s);
+    }
+    ASSERT_EQ(p.send_count(d), int64_t(want.size())) << "rank " << d;
+    for (size_t i = 0; i < want.size(); ++i) {
+      const int64_t pos = p.send_offsets[d] + int64_t(i), s = want[i];
+      ASSERT_EQ(p.send_rows[pos], s);
+      for (int j = 0; j < k; ++j) {
+        const int32_t e = ids[s * k + j];
+        const bool here = ep::owner_rank(E, N, e) == d;
+        ASSERT_EQ(p.send_ids[pos * k + j], here ? e - int32_t(first[d]) : -1) << "row " << s << " slot " << j;
+        if (here) ASSERT_EQ(p.gather_index[s * k + j], pos * k + j);
+      }
+    }
+  }
+  for (int64_t s = 0; s < S; ++s)
+    for (int j = 0; j < k; ++j)
+      if (ep::owner_rank(E, N, ids[s * k + j]) < 0) ASSERT_EQ(p.gather_index[s * k + j], -1);
+}
+
+TEST(EpDispatch, OwnerRankIsTheExpertRangeSplit) {
+  for (int64_t E : {1, 2, 7, 8, 64, 257})
+    for (int N : {1, 2, 3, 4, 8})
+      if (N <= E)
+        for (int d = 0; d < N; ++d) {
+          const auto [begin, end] = io::expert_range(E, d, N);
+          for (int64_t e = begin; e < end; ++e) ASSERT_EQ(ep::owner_rank(E, N, e), d) << "E=" << E << " N=" << N;
+        }
+  EXPECT_EQ(ep::owner_rank(8, 2, -1), -1);
+  EXPECT_EQ(ep::owner_rank(8, 2, 8), -1);
+}
+
+TEST(EpDispatch, RandomRoutingsOnTwoFourAndEightRanks) {
+  for (int N : {2, 4, 8})
+    for (int64_t S : {0, 1, 37, 4096})
+      for (int k : {1, 2, 8}) {
+        const int64_t E = 64;
+        const std::vector<int32_t> ids = random_ids(S, k, E, 1000 * N + S + k, /*invalid=*/0.05);
+        const ep::DispatchPlan p = ep::plan_dispatch(ids.data(), S, k, E, N);
+        SCOPED_TRACE("N=" + std::to_string(N) + " S=" + std::to_string(S) + " k=" + std::to_string(k));
+        check_plan(p, ids, S, k, E, N);
+      }
+}
+
+TEST(EpDispatch, ARankThatGetsNothingAndOneThatGetsEverything) {
+  const int64_t E = 16, S = 37;
+  const int k = 2, N = 4;
+  std::vector<int32_t> ids(S * k);
+  for (int64_t s = 0; s < S; ++s) ids[s * k] = s % 4, ids[s * k + 1] = 4 + s % 4;  // ranks 0 and 1 only
+  const ep::DispatchPlan p = ep::plan_dispatch(ids.data(), S, k, E, N);
+  check_plan(p, ids, S, k, E, N);
+  EXPECT_EQ(p.send_count(0), S);
+  EXPECT_EQ(p.send_count(1), S);
+  EXPECT_EQ(p.send_count(2), 0);
+  EXPECT_EQ(p.send_count(3), 0);
+  // Both slots on one rank: the row goes there once, with both local ids.
+  for (int64_t s = 0; s < S; ++s) ids[s * k] = 12, ids[s * k + 1] = 15;
+  const ep::DispatchPlan q = ep::plan_dispatch(ids.data(), S, k, E, N);
+  check_plan(q, ids, S, k, E, N);
+  EXPECT_EQ(q.sent(), S);
+  EXPECT_EQ(q.send_count(3), S);
+  EXPECT_EQ(q.send_ids[0], 0);
+  EXPECT_EQ(q.send_ids[1], 3);
+  // Only invalid ids: nothing is sent, nothing is gathered.
+  std::fill(ids.begin(), ids.end(), -1);
+  const ep::DispatchPlan r = ep::plan_dispatch(ids.data(), S, k, E, N);
+  EXPECT_EQ(r.sent(), 0);
+  for (int64_t g : r.gather_index) EXPECT_EQ(g, -1);
+}
+
+TEST(EpDispatch, WireBytesPerRow) {
+  MoeProblem p = preset("deepseek-r1", ActQuant::W4A4Scalar);  // H = 7168, k = 8
+  EXPECT_EQ(ep::dispatch_row_bytes(p, 8), 7168 / 2 + 7168 / 16 + 8 * 4);
+  EXPECT_EQ(ep::dispatch_row_bytes(p, 1), 7168 / 2 + 7168 / 16 + 4);
+  p.act_quant = ActQuant::W4A16;
+  EXPECT_EQ(ep::dispatch_row_bytes(p, 8), 2 * 7168 + 8 * 4);
+  EXPECT_EQ(ep::combine_entry_bytes(p), 4 * 7168);
+}
+
+TEST(EpDispatch, PackGathersTheRowsOfOneRank) {
+  const int64_t E = 8, S = 9, row_bytes = 5;
+  const int k = 2, N = 2;
+  const std::vector<int32_t> ids = random_ids(S, k, E, 3);
+  const ep::DispatchPlan p = ep::plan_dispatch(ids.data(), S, k, E, N);
+  std::vector<uint8_t> rows(S * row_bytes);
+  for (size_t i = 0; i < rows.size(); ++i) rows[i] = static_cast<uint8_t>(i * 7 + 1);
+  for (int d = 0; d < N; ++d) {
+    std::vector<uint8_t> out(p.send_count(d) * row_bytes, 0xEE);
+    ep::pack_rows(p, d, rows.data(), row_bytes, out.data());
+    for (int64_t i = 0; i < p.send_count(d); ++i)
+      ASSERT_EQ(std::memcmp(out.data() + i * row_bytes, rows.data() + p.send_rows[p.send_offsets[d] + i] * row_bytes, row_bytes), 0);
+  }
+}
+
+TEST(EpDispatch, ArgumentErrors) {
+  const int32_t ids[2] = {0, 1};
+  expect_error([&] { ep::plan_dispatch(ids, 1, 2, 4, 0); }, "plan_dispatch: ranks must be in [1, E=4], got 0");
+  expect_error([&] { ep::plan_dispatch(ids, 1, 2, 4, 5); }, "plan_dispatch: ranks must be in [1, E=4], got 5");
+  expect_error([&] { ep::plan_dispatch(ids, 1, 0, 4, 2); }, "plan_dispatch: rows_top_k must be >= 1, got 0");
+  expect_error([&] { ep::plan_dispatch(nullptr, 1, 2, 4, 2); }, "plan_dispatch: ids is null, expected [1, 2]");
+  const ep::DispatchPlan p = ep::plan_dispatch(ids, 1, 2, 4, 2);
+  uint8_t row = 0;
+  expect_error([&] { ep::pack_rows(p, 2, &row, 1, &row); }, "pack_rows: rank must be in [0, 2), got 2");
+}
+
+// The dispatch through the CPU reference on N virtual ranks: the rows each rank receives, run with its
+// experts and the plan's local ids, give back every entry's GEMM2 output equal to the single layer's.
+// Per-token rows carry bf16 hidden states (the reference quantizes them as prepare would: w4a4_scalar
+// with the whole layer's largest input scale); w4a4_per_expert sends one row per entry (rows_top_k 1).
+class EpDispatchLayer : public ::testing::TestWithParam<std::tuple<ActQuant, int>> {};
+
+TEST_P(EpDispatchLayer, EveryEntryComesBackAsTheSingleLayerComputesIt) {
+  const auto [mode, N] = GetParam();
+  const MoeProblem p = preset("tiny", mode);  // E = 8, k = 2
+  const int64_t T = 37, H = p.hidden, k = p.top_k(), E = p.num_experts;
+  const io::MoeCase c = io::make_random_packed_case(p, T, 91);
+  reference::MoeTrace whole;
+  const reference::MoeResult full = reference::moe_forward(p, T, c.hidden_states.data(), c.router(), c.weights(), &whole);
+
+  const bool per_entry = mode == ActQuant::W4A4PerExpert;
+  const int rk = per_entry ? 1 : static_cast<int>(k);
+  const int64_t S = per_entry ? T * k : T;
+  std::vector<uint16_t> rows(static_cast<size_t>(S * H));  // the prepared rows' inputs (bf16 hidden)
+  for (int64_t s = 0; s < S; ++s)
+    std::memcpy(&rows[s * H], &c.hidden_states[(per_entry ? s / k : s) * H], H * 2);
+  const ep::DispatchPlan plan = ep::plan_dispatch(full.topk_ids.data(), S, rk, E, N);
+
+  std::vector<float> combined;  // the ranks' returned y, in rank order
+  for (int d = 0; d < N; ++d) {
+    const auto [begin, end] = io::expert_range(E, d, N);
+    test::ExpertRangeWeights local(c, begin, end, full.topk_ids);
+    local.problem.routing.top_k = rk;
+    const int64_t n = plan.send_count(d);
+    std::vector<uint16_t> received(static_cast<size_t>(n * H));
+    ep::pack_rows(plan, d, reinterpret_cast<const uint8_t*>(rows.data()), H * 2, reinterpret_cast<uint8_t*>(received.data()));
+    const std::vector<int32_t> ids(plan.send_ids.begin() + plan.send_offsets[d] * rk, plan.send_ids.begin() + plan.send_offsets[d + 1] * rk);
+    const std::vector<float> weights(ids.size(), 1.0f);
+    reference::RouterInput router;
+    router.topk_ids = ids.data();
+    router.topk_weights = weights.data();
+    reference::MoeTrace trace;
+    (void)reference::moe_forward(local.problem, n, received.data(), router, local.weights(), &trace);
+    combined.insert(combined.end(), trace.gemm2_out.begin(), trace.gemm2_out.end());
+  }
+  ASSERT_EQ(int64_t(combined.size()), plan.sent() * rk * H);
+  for (int64_t entry = 0; entry < T * k; ++entry) {
+    const int64_t g = plan.gather_index[entry];
+    ASSERT_GE(g, 0);
+    ASSERT_EQ(std::memcmp(&combined[g * H], &whole.gemm2_out[entry * H], H * sizeof(float)), 0) << "entry " << entry;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(ModesAndRanks, EpDispatchLayer,
+                         ::testing::Combine(::testing::Values(ActQuant::W4A16, ActQuant::W4A4Scalar, ActQuant::W4A4PerExpert),
+                                            ::testing::Values(2, 4, 8)));
+
+}  // namespace
+}  // namespace fp4moe
