@@ -62,6 +62,27 @@ DispatchPlan plan_dispatch(const int32_t* ids, int64_t num_rows, int rows_top_k,
   return p;
 }
 
+std::vector<int64_t> receive_offsets(const std::vector<int64_t>& counts, int ranks, int d) {
+  check(ranks >= 1 && counts.size() == size_t(ranks) * size_t(ranks), "receive_offsets: counts must hold ranks^2 = ",
+        int64_t(ranks) * ranks, " values, got ", counts.size());
+  check(d >= 0 && d < ranks, "receive_offsets: rank must be in [0, ", ranks, "), got ", d);
+  std::vector<int64_t> offsets(static_cast<size_t>(ranks) + 1, 0);
+  for (int src = 0; src < ranks; ++src) {
+    const int64_t n = counts[size_t(src) * ranks + d];
+    check(n >= 0, "receive_offsets: count from rank ", src, " to rank ", d, " is negative (", n, ")");
+    offsets[src + 1] = offsets[src] + n;
+  }
+  return offsets;
+}
+
+void check_receive_capacity(const std::vector<int64_t>& counts, int ranks, int64_t capacity_rows) {
+  for (int d = 0; d < ranks; ++d) {
+    const int64_t n = receive_offsets(counts, ranks, d).back();
+    check(n <= capacity_rows, "expert-parallel dispatch: rank ", d, " would receive ", n,
+          " rows, over the receive capacity of ", capacity_rows, " rows per rank (size the buffers for more tokens)");
+  }
+}
+
 int64_t dispatch_row_bytes(const MoeProblem& problem, int rows_top_k) {
   const int64_t H = problem.hidden;
   const int64_t row = problem.act_quant == ActQuant::W4A16 ? 2 * H : H / 2 + H / format::kBlockSize;

@@ -43,6 +43,15 @@ struct DispatchPlan {
 // The plan for S rows with ids [S, rows_top_k] over experts [0, E) on `ranks` ranks.
 DispatchPlan plan_dispatch(const int32_t* ids, int64_t num_rows, int rows_top_k, int64_t num_experts, int ranks);
 
+// The rows every rank receives, from the send counts of every source (counts[src * ranks + dst], what the
+// count exchange gives each rank): rows from source src land on rank d at rows
+// [offsets[src], offsets[src + 1]) of d's received rows (source-major), offsets = receive_offsets(.., d).
+std::vector<int64_t> receive_offsets(const std::vector<int64_t>& counts, int ranks, int d);
+
+// A fixed receive capacity (rows per rank, the buffers sized once): throws fp4moe::Error naming the rank
+// and its count when a rank would receive more, before anything is sent.
+void check_receive_capacity(const std::vector<int64_t>& counts, int ranks, int64_t capacity_rows);
+
 // Bytes on the wire per sent row: the row (NVFP4: H/2 packed values + H/16 e4m3 scales; bf16: 2H) and
 // its rows_top_k int32 ids. Router weights stay on the source rank (its finalize applies them).
 int64_t dispatch_row_bytes(const MoeProblem& problem, int rows_top_k);

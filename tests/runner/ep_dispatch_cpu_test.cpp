@@ -204,3 +204,79 @@ INSTANTIATE_TEST_SUITE_P(ModesAndRanks, EpDispatchLayer,
 
 }  // namespace
 }  // namespace fp4moe
+
+namespace fp4moe {
+namespace {
+
+TEST(EpDispatch, ReceiveOffsetsAndCapacity) {
+  // counts[src * 3 + dst]
+  const std::vector<int64_t> counts = {1, 0, 4,   //
+                                       2, 5, 0,   //
+                                       3, 0, 6};
+  EXPECT_EQ(ep::receive_offsets(counts, 3, 0), (std::vector<int64_t>{0, 1, 3, 6}));
+  EXPECT_EQ(ep::receive_offsets(counts, 3, 1), (std::vector<int64_t>{0, 0, 5, 5}));
+  EXPECT_EQ(ep::receive_offsets(counts, 3, 2), (std::vector<int64_t>{0, 4, 4, 10}));
+  ep::check_receive_capacity(counts, 3, 10);
+  expect_error([&] { ep::check_receive_capacity(counts, 3, 9); },
+               "expert-parallel dispatch: rank 2 would receive 10 rows, over the receive capacity of 9 rows per rank");
+  expect_error([&] { ep::receive_offsets({1, 2}, 3, 0); }, "receive_offsets: counts must hold ranks^2 = 9 values, got 2");
+  expect_error([&] { ep::receive_offsets(counts, 3, 3); }, "receive_offsets: rank must be in [0, 3), got 3");
+}
+
+// Every rank a source of its own tokens: each rank receives the rows of every source (source-major),
+// runs its experts on them, and returns each source its block; every source's entries come back as
+// its single layer computes them.
+TEST(EpDispatch, EveryRankASourceOnFourVirtualRanks) {
+  const MoeProblem p = preset("tiny", ActQuant::W4A4Scalar);  // E = 8, k = 2
+  const int N = 4;
+  const int64_t H = p.hidden, k = p.top_k(), E = p.num_experts;
+  const int64_t tokens[N] = {37, 0, 1, 64}, first[N + 1] = {0, 37, 37, 38, 102};  // rank r: tokens [first[r], first[r+1])
+  const io::MoeCase c = io::make_random_packed_case(p, first[N], 5);
+  reference::MoeTrace whole;
+  const reference::MoeResult full = reference::moe_forward(p, first[N], c.hidden_states.data(), c.router(), c.weights(), &whole);
+  std::vector<ep::DispatchPlan> plans;
+  std::vector<int64_t> counts(N * N);
+  for (int r = 0; r < N; ++r) {
+    plans.push_back(ep::plan_dispatch(full.topk_ids.data() + first[r] * k, tokens[r], int(k), E, N));
+    for (int d = 0; d < N; ++d) counts[r * N + d] = plans[r].send_count(d);
+  }
+  // returned[d][src]: the y rank d returns to source src, [rows * k, H].
+  std::vector<std::vector<std::vector<float>>> returned(N, std::vector<std::vector<float>>(N));
+  for (int d = 0; d < N; ++d) {
+    const std::vector<int64_t> offsets = ep::receive_offsets(counts, N, d);
+    const int64_t n = offsets.back();
+    std::vector<uint16_t> received(static_cast<size_t>(n * H));
+    std::vector<int32_t> ids;
+    for (int src = 0; src < N; ++src) {
+      ep::pack_rows(plans[src], d, reinterpret_cast<const uint8_t*>(c.hidden_states.data() + first[src] * H), H * 2,
+                    reinterpret_cast<uint8_t*>(received.data() + offsets[src] * H));
+      ids.insert(ids.end(), plans[src].send_ids.begin() + plans[src].send_offsets[d] * k,
+                 plans[src].send_ids.begin() + plans[src].send_offsets[d + 1] * k);
+    }
+    if (n == 0) continue;
+    const auto [begin, end] = io::expert_range(E, d, N);
+    const test::ExpertRangeWeights local(c, begin, end, full.topk_ids);
+    const std::vector<float> weights(ids.size(), 1.0f);
+    reference::RouterInput router;
+    router.topk_ids = ids.data();
+    router.topk_weights = weights.data();
+    reference::MoeTrace trace;
+    (void)reference::moe_forward(local.problem, n, received.data(), router, local.weights(), &trace);
+    for (int src = 0; src < N; ++src)
+      returned[d][src].assign(trace.gemm2_out.begin() + offsets[src] * k * H, trace.gemm2_out.begin() + offsets[src + 1] * k * H);
+  }
+  for (int src = 0; src < N; ++src) {
+    std::vector<float> combined;
+    for (int d = 0; d < N; ++d) combined.insert(combined.end(), returned[d][src].begin(), returned[d][src].end());
+    ASSERT_EQ(int64_t(combined.size()), plans[src].sent() * k * H);
+    for (int64_t entry = 0; entry < tokens[src] * k; ++entry) {
+      const int64_t g = plans[src].gather_index[entry];
+      ASSERT_GE(g, 0);
+      ASSERT_EQ(std::memcmp(&combined[g * H], &whole.gemm2_out[(first[src] * k + entry) * H], H * sizeof(float)), 0)
+          << "source " << src << " entry " << entry;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace fp4moe
