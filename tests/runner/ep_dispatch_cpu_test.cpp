@@ -151,6 +151,19 @@ TEST(EpDispatch, ArgumentErrors) {
   expect_error([&] { ep::pack_rows(p, 2, &row, 1, &row); }, "pack_rows: rank must be in [0, 2), got 2");
 }
 
+// A virtual rank's experts on the n rows it received (bf16 hidden, the plan's local ids): the reference's
+// GEMM2 output per entry, [n * rows_top_k, H].
+std::vector<float> rank_gemm2_out(const test::ExpertRangeWeights& local, int64_t n, const uint16_t* rows,
+                                  const std::vector<int32_t>& ids) {
+  const std::vector<float> weights(ids.size(), 1.0f);  // the finalize, which applies them, is the source's
+  reference::RouterInput router;
+  router.topk_ids = ids.data();
+  router.topk_weights = weights.data();
+  reference::MoeTrace trace;
+  (void)reference::moe_forward(local.problem, n, rows, router, local.weights(), &trace);
+  return trace.gemm2_out;
+}
+
 // The dispatch through the CPU reference on N virtual ranks: the rows each rank receives, run with its
 // experts and the plan's local ids, give back every entry's GEMM2 output equal to the single layer's.
 // Per-token rows carry bf16 hidden states (the reference quantizes them as prepare would: w4a4_scalar
@@ -182,13 +195,8 @@ TEST_P(EpDispatchLayer, EveryEntryComesBackAsTheSingleLayerComputesIt) {
     std::vector<uint16_t> received(static_cast<size_t>(n * H));
     ep::pack_rows(plan, d, reinterpret_cast<const uint8_t*>(rows.data()), H * 2, reinterpret_cast<uint8_t*>(received.data()));
     const std::vector<int32_t> ids(plan.send_ids.begin() + plan.send_offsets[d] * rk, plan.send_ids.begin() + plan.send_offsets[d + 1] * rk);
-    const std::vector<float> weights(ids.size(), 1.0f);
-    reference::RouterInput router;
-    router.topk_ids = ids.data();
-    router.topk_weights = weights.data();
-    reference::MoeTrace trace;
-    (void)reference::moe_forward(local.problem, n, received.data(), router, local.weights(), &trace);
-    combined.insert(combined.end(), trace.gemm2_out.begin(), trace.gemm2_out.end());
+    const std::vector<float> y = rank_gemm2_out(local, n, received.data(), ids);
+    combined.insert(combined.end(), y.begin(), y.end());
   }
   ASSERT_EQ(int64_t(combined.size()), plan.sent() * rk * H);
   for (int64_t entry = 0; entry < T * k; ++entry) {
@@ -256,14 +264,9 @@ TEST(EpDispatch, EveryRankASourceOnFourVirtualRanks) {
     if (n == 0) continue;
     const auto [begin, end] = io::expert_range(E, d, N);
     const test::ExpertRangeWeights local(c, begin, end, full.topk_ids);
-    const std::vector<float> weights(ids.size(), 1.0f);
-    reference::RouterInput router;
-    router.topk_ids = ids.data();
-    router.topk_weights = weights.data();
-    reference::MoeTrace trace;
-    (void)reference::moe_forward(local.problem, n, received.data(), router, local.weights(), &trace);
+    const std::vector<float> y = rank_gemm2_out(local, n, received.data(), ids);
     for (int src = 0; src < N; ++src)
-      returned[d][src].assign(trace.gemm2_out.begin() + offsets[src] * k * H, trace.gemm2_out.begin() + offsets[src + 1] * k * H);
+      returned[d][src].assign(y.begin() + offsets[src] * k * H, y.begin() + offsets[src + 1] * k * H);
   }
   for (int src = 0; src < N; ++src) {
     std::vector<float> combined;
