@@ -36,7 +36,12 @@ __attribute__((target("avx2"))) void dot4_avx2(const double* a, const double* b,
   }
 }
 
-const bool kHaveAvx2 = __builtin_cpu_supports("avx2");
+// NOTE: __builtin_cpu_init first: the CPU features may be asked during static initialisation of another
+// translation unit, before libgcc's own constructor has filled them in.
+bool have_avx2() {
+  static const bool have = (__builtin_cpu_init(), __builtin_cpu_supports("avx2"));
+  return have;
+}
 #endif
 
 }  // namespace
@@ -44,7 +49,7 @@ const bool kHaveAvx2 = __builtin_cpu_supports("avx2");
 void dot_rows(const double* a, const double* b, int64_t ldb, int64_t rows, int64_t n, double* out, bool simd) {
   int64_t r = 0;
 #ifdef FP4MOE_REFERENCE_AVX2
-  if (simd && kHaveAvx2)
+  if (simd && have_avx2())
     for (; r + 4 <= rows; r += 4) dot4_avx2(a, b + r * ldb, ldb, n, out + r);
 #else
   (void)simd;
