@@ -210,12 +210,6 @@ INSTANTIATE_TEST_SUITE_P(ModesAndRanks, EpDispatchLayer,
                          ::testing::Combine(::testing::Values(ActQuant::W4A16, ActQuant::W4A4Scalar, ActQuant::W4A4PerExpert),
                                             ::testing::Values(2, 4, 8)));
 
-}  // namespace
-}  // namespace fp4moe
-
-namespace fp4moe {
-namespace {
-
 TEST(EpDispatch, ReceiveOffsetsAndCapacity) {
   // counts[src * 3 + dst]
   const std::vector<int64_t> counts = {1, 0, 4,   //
