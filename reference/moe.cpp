@@ -36,6 +36,7 @@
 #include "fp4moe/format.hpp"
 #include "fp4moe/reference.hpp"
 #include "reference/dot.hpp"
+#include "reference/layer_scales.hpp"
 #include "reference/parallel.hpp"
 
 namespace fp4moe::reference {
@@ -294,6 +295,33 @@ void check_biases(const MoeWeights& weights, const MoeProblem& problem) {
   finite(weights.w2_bias, problem.num_experts, problem.hidden, "w2_bias");
 }
 
+namespace detail {
+
+LayerScales layer_scales(const MoeProblem& problem, const MoeWeights& weights) {
+  const int64_t E = problem.num_experts;
+  const bool w4a4 = problem.act_quant != ActQuant::W4A16;
+  LayerScales s;
+  s.a_scale.assign(static_cast<size_t>(E), 1.0f);
+  if (problem.act_quant == ActQuant::W4A4Scalar) {
+    const float a1 = weights.w13_input_scale_max > 0.0f
+                         ? weights.w13_input_scale_max
+                         : *std::max_element(weights.w13_input_scale, weights.w13_input_scale + E);
+    std::fill(s.a_scale.begin(), s.a_scale.end(), a1);
+  } else if (problem.act_quant == ActQuant::W4A4PerExpert) {
+    s.a_scale.assign(weights.w13_input_scale, weights.w13_input_scale + E);
+  }
+  s.alpha1.assign(static_cast<size_t>(E), 1.0f);  // MXFP4: the weights' values are complete (w4a16 only)
+  s.alpha2.assign(static_cast<size_t>(E), 1.0f);
+  if (problem.weight_format == WeightFormat::MXFP4) return s;
+  for (int64_t e = 0; e < E; ++e) {
+    s.alpha1[e] = w4a4 ? weights.w13_scale_2[e] * s.a_scale[e] : weights.w13_scale_2[e];
+    s.alpha2[e] = w4a4 ? weights.w2_scale_2[e] * weights.w2_input_scale[e] : weights.w2_scale_2[e];
+  }
+  return s;
+}
+
+}  // namespace detail
+
 MoeResult moe_forward(const MoeProblem& problem, int64_t num_tokens, const uint16_t* hidden,
                       const RouterInput& router, const MoeWeights& weights, MoeTrace* trace) {
   // ---- 0. arguments ----
@@ -386,15 +414,8 @@ MoeResult moe_forward(const MoeProblem& problem, int64_t num_tokens, const uint1
       x[t * H + i] = on_input ? bf16_round(xv * wb) : xv;
     }
   });
-  std::vector<float> a_scale(static_cast<size_t>(E), 1.0f);  // the GEMM1 input scale per expert
-  if (problem.act_quant == ActQuant::W4A4Scalar) {
-    const float a1 = weights.w13_input_scale_max > 0.0f
-                         ? weights.w13_input_scale_max
-                         : *std::max_element(weights.w13_input_scale, weights.w13_input_scale + E);
-    std::fill(a_scale.begin(), a_scale.end(), a1);
-  } else if (problem.act_quant == ActQuant::W4A4PerExpert) {
-    a_scale.assign(weights.w13_input_scale, weights.w13_input_scale + E);
-  }
+  const detail::LayerScales scales = detail::layer_scales(problem, weights);
+  const std::vector<float>& a_scale = scales.a_scale;  // the GEMM1 input scale per expert
   std::vector<std::vector<uint8_t>> qbuf(static_cast<size_t>(detail::max_workers()));
   std::vector<std::vector<uint8_t>> sbuf(static_cast<size_t>(detail::max_workers()));
   if (problem.act_quant == ActQuant::W4A4Scalar) {
@@ -418,15 +439,8 @@ MoeResult moe_forward(const MoeProblem& problem, int64_t num_tokens, const uint1
   x = {};
 
   // ---- 4. GEMM1 ----
-  std::vector<float> alpha1(static_cast<size_t>(E)), alpha2(static_cast<size_t>(E));
-  for (int64_t e = 0; e < E; ++e) {
-    if (mxfp4) {  // the weights' values are complete: alpha = 1 (w4a16 only)
-      alpha1[e] = alpha2[e] = 1.0f;
-      continue;
-    }
-    alpha1[e] = w4a4 ? weights.w13_scale_2[e] * a_scale[e] : weights.w13_scale_2[e];
-    alpha2[e] = w4a4 ? weights.w2_scale_2[e] * weights.w2_input_scale[e] : weights.w2_scale_2[e];
-  }
+  const std::vector<float>& alpha1 = scales.alpha1;
+  const std::vector<float>& alpha2 = scales.alpha2;
   auto weight_rows = [mxfp4](const uint8_t* w, const uint8_t* w_scale, int64_t N, int64_t K) {
     return mxfp4 ? mxfp4_rows(w, w_scale, N, K) : nvfp4_rows(w, w_scale, N, K);
   };

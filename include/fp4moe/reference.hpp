@@ -95,6 +95,18 @@ MoeResult moe_forward(const MoeProblem& problem, int64_t num_tokens, const uint1
                       const RouterInput& router, const MoeWeights& weights,
                       MoeTrace* trace = nullptr);
 
+// ---- rounding slack of the whole layer (docs/numerics.md, "The whole layer") -----------------------
+// The bound the kernel tolerance table puts on a GEMM's fp32 error, relative to |alpha| * sum_k |a_k w_k|.
+inline constexpr double kGemmOrderError = 1e-5;
+
+// For each output [T, H] of moe_forward(..., &trace) -> result: how far a layer whose GEMM1 sums in another
+// fp32 order (within gemm1_error of the exact sum) may move it by rounding a GEMM2 input value the other
+// way (bf16 in w4a16; an NVFP4 code or block scale in w4a4). 0 where no rounding is in doubt; slots of
+// ids outside [0, E) add none. The GEMMs' own fp32 error in y and the output's bf16 rounding are not in it.
+std::vector<float> output_rounding_slack(const MoeProblem& problem, const MoeWeights& weights,
+                                         const MoeResult& result, const MoeTrace& trace,
+                                         double gemm1_error = kGemmOrderError);
+
 // The same layer in fp32 with unquantized weights (w13 [E, w13_rows, H], w2 [E, H, I] fp32) and no
 // activation quantization: the accuracy yardstick of `fp4moe demo`. Routing as given.
 std::vector<float> moe_forward_fp32(const MoeProblem& problem, int64_t num_tokens,

@@ -309,6 +309,26 @@ TEST(SoakCheck, NonFiniteOutputsMustMatchTheReferencePattern) {
   EXPECT_NE(compare_outputs(bits({1.0f, nan, inf, inf}), ref, 1, 4), "");
 }
 
+// One token whose every output moved (a rounding of its GEMM2 input flipped): beyond 0.5% of the
+// elements, so it mismatches unless the reference's rounding slack covers each move.
+TEST(SoakCheck, RoundingSlackCoversMovesWithinIt) {
+  const int64_t H = 256, rows = 16;  // row 0 moved: 6% of the elements, 0.4% relative L2
+  std::vector<uint16_t> ref(static_cast<size_t>(rows * H)), moved(ref.size());
+  std::vector<float> slack(ref.size(), 0.0f);
+  for (int64_t i = 0; i < rows * H; ++i) {
+    const float r = 1.0f + 0.0078125f * static_cast<float>(i % 17);  // bf16 values, ulp 2^-7
+    ref[i] = format::bf16_from_float(r);
+    moved[i] = i < H ? format::bf16_from_float(r + 0.015625f) : ref[i];  // two ulps
+    if (i < H) slack[i] = 0.02f;
+  }
+  EXPECT_NE(compare_outputs(moved, ref, rows, H), "");
+  EXPECT_EQ(compare_outputs(moved, ref, rows, H, slack), "");
+  std::vector<float> short_slack = slack;
+  for (int64_t i = 0; i < H; i += 2) short_slack[i] = 0.001f;  // half the row beyond its slack
+  EXPECT_NE(compare_outputs(moved, ref, rows, H, short_slack), "");
+  EXPECT_NE(compare_outputs(moved, ref, rows, H, std::vector<float>(3, 1.0f)), "");  // not [rows, H]
+}
+
 TEST(SoakCheck, InvalidIdsAreRefusedByTheReferenceAndNanRowsOnTheGpu) {
   const SoakProblem sp = find_problem([](const SoakProblem& s) {
     return s.invalid_id_tokens > 0 && !s.problem.routing.skip_foreign_ids && s.num_tokens > s.invalid_id_tokens;
