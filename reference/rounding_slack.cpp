@@ -42,6 +42,35 @@ void decode_expert(WeightFormat wf, const uint8_t* w, const uint8_t* w_scale, in
   }
 }
 
+// The 2-norm of each row [0, N) of expert e of a weight tensor [E, N, K], from its codes: a block's
+// sum of squares is its scale squared times the sum of its codes' squares (exact in double).
+void expert_row_norms(WeightFormat wf, const uint8_t* w, const uint8_t* w_scale, int64_t e, int64_t N, int64_t K,
+                      std::vector<double>& out) {
+  static const std::vector<double> pair_sq = [] {  // a byte's two e2m1 values, squared and added
+    std::vector<double> t(256);
+    for (int b = 0; b < 256; ++b) {
+      const double lo = format::e2m1_to_float(static_cast<uint8_t>(b)), hi = format::e2m1_to_float(static_cast<uint8_t>(b >> 4));
+      t[b] = lo * lo + hi * hi;
+    }
+    return t;
+  }();
+  const bool mx = wf == WeightFormat::MXFP4;
+  const int64_t block = mx ? format::kMxfp4BlockSize : kBlockSize, blocks = K / block;
+  out.resize(static_cast<size_t>(N));
+  for (int64_t n = 0; n < N; ++n) {
+    const uint8_t* codes = w + (e * N + n) * (K / 2);
+    const uint8_t* scales = w_scale + (e * N + n) * blocks;
+    double sum = 0.0;
+    for (int64_t b = 0; b < blocks; ++b) {
+      double q = 0.0;
+      for (int64_t j = 0; j < block / 2; ++j) q += pair_sq[codes[b * (block / 2) + j]];
+      const double sf = mx ? format::ue8m0_to_float(scales[b]) : format::e4m3_to_float(scales[b]);
+      sum += q * sf * sf;
+    }
+    out[n] = std::sqrt(sum);
+  }
+}
+
 float bf16_round(float x) { return format::bf16_to_float(format::bf16_from_float(x)); }
 
 // q*sf values of quantize_nvfp4 of one block; returns the block's e4m3 scale code.
@@ -140,7 +169,7 @@ std::vector<float> output_rounding_slack(const MoeProblem& problem, const MoeWei
 
   std::vector<float> entry_slack(static_cast<size_t>(R * H), 0.0f);  // [R, H], step 4 per slot
   struct Scratch {
-    std::vector<float> w13, w2, lo, hi, delta;  // lo, hi: step 2's range per column
+    std::vector<float> w2, w2_abs_t, lo, hi, delta;  // lo, hi: step 2's range per column
     std::vector<double> w13_norm, acc;
     std::vector<int64_t> doubtful;
   };
@@ -148,9 +177,7 @@ std::vector<float> output_rounding_slack(const MoeProblem& problem, const MoeWei
   detail::parallel_for(static_cast<int64_t>(hit.size()), [&](int64_t item, int worker) {
     Scratch& sc = scratch[worker];
     const int64_t e = hit[item];
-    decode_expert(problem.weight_format, weights.w13, weights.w13_scale, e, N1, H, sc.w13);
-    sc.w13_norm.resize(static_cast<size_t>(N1));
-    for (int64_t n = 0; n < N1; ++n) sc.w13_norm[n] = norm(sc.w13.data() + n * H, H);
+    expert_row_norms(problem.weight_format, weights.w13, weights.w13_scale, e, N1, H, sc.w13_norm);
     bool w2_decoded = false;
     const double alpha1 = std::fabs(scales.alpha1[e]), alpha2 = std::fabs(scales.alpha2[e]);
     sc.lo.resize(static_cast<size_t>(I));
@@ -191,15 +218,22 @@ std::vector<float> output_rounding_slack(const MoeProblem& problem, const MoeWei
         if (sc.delta[i] > 0.0f) sc.doubtful.push_back(i);
       if (sc.doubtful.empty()) continue;
       // ---- step 4 ----
-      if (!w2_decoded) decode_expert(problem.weight_format, weights.w2, weights.w2_scale, e, H, I, sc.w2), w2_decoded = true;
+      if (!w2_decoded) {  // |W2|^T [I, H]: a doubtful column's weights are one contiguous row
+        decode_expert(problem.weight_format, weights.w2, weights.w2_scale, e, H, I, sc.w2);
+        sc.w2_abs_t.resize(static_cast<size_t>(I * H));
+        for (int64_t n = 0; n < H; ++n)
+          for (int64_t i = 0; i < I; ++i) sc.w2_abs_t[i * H + n] = std::fabs(sc.w2[n * I + i]);
+        w2_decoded = true;
+      }
+      sc.acc.assign(static_cast<size_t>(H), 0.0);
+      for (const int64_t i : sc.doubtful) {
+        const double d = sc.delta[i];
+        const float* col = sc.w2_abs_t.data() + i * H;
+        for (int64_t n = 0; n < H; ++n) sc.acc[n] += d * col[n];
+      }
       const double coef = alpha2 * (unit_weights ? 1.0 : std::fabs(double(result.topk_weights[entry])));
       float* slack = entry_slack.data() + entry * H;
-      for (int64_t n = 0; n < H; ++n) {
-        const float* w2_row = sc.w2.data() + n * I;
-        double s = 0.0;
-        for (const int64_t i : sc.doubtful) s += std::fabs(double(w2_row[i])) * sc.delta[i];
-        slack[n] = static_cast<float>(coef * s);
-      }
+      for (int64_t n = 0; n < H; ++n) slack[n] = static_cast<float>(coef * sc.acc[n]);
     }
   });
   for (int64_t t = 0; t < T; ++t)

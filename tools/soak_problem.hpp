@@ -81,13 +81,14 @@ struct Outcome {
   bool refused = false;
   std::string message;
   reference::MoeResult result;
-  std::vector<float> slack;  // the reference's: reference::output_rounding_slack of its rows, [rows, H]
+  std::vector<float> slack;  // with_slack: reference::output_rounding_slack of the reference's rows, [rows, H]
 };
 
 // The reference's answer on rows `tokens` of the case. A precomputed case whose ids are invalid
 // without skip_foreign_ids is computed with skip_foreign_ids: its other tokens are then exactly the
 // layer's, and check_outcome expects NaN rows for the invalid ones (bad_id_rows_nan).
-Outcome reference_outcome(const io::MoeCase& c, const std::vector<int64_t>& tokens);
+// with_slack: also its rounding slack (check_outcome computes it when the check needs it).
+Outcome reference_outcome(const io::MoeCase& c, const std::vector<int64_t>& tokens, bool with_slack = false);
 
 // The check of a backend's outcome (its rows `tokens` of `tested`, all T rows) against the reference's
 // (rows `tokens` only), by the tolerance table of docs/numerics.md ("The whole layer"):

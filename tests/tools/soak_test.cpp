@@ -329,6 +329,40 @@ TEST(SoakCheck, RoundingSlackCoversMovesWithinIt) {
   EXPECT_NE(compare_outputs(moved, ref, rows, H, std::vector<float>(3, 1.0f)), "");  // not [rows, H]
 }
 
+// check_outcome computes the reference's rounding slack when the check without it fails: a tested
+// output that moves one token by half its slack passes, by three times its slack and two ulps it does not.
+TEST(SoakCheck, CheckOutcomeTakesTheRoundingSlackWhenNeeded) {
+  const SoakProblem sp = find_problem([](const SoakProblem& s) {
+    return s.problem.act_quant != ActQuant::W4A16 && s.num_tokens >= 1 && s.num_tokens <= 3 && s.problem.hidden >= 512 && s.problem.inter >= 512 &&
+           !s.large && s.nan_hidden_tokens + s.inf_hidden_tokens + s.nan_logit_tokens + s.inf_logit_tokens == 0 &&
+           s.invalid_id_tokens == 0 && !s.problem.routing.skip_foreign_ids && weight_bytes(s.problem) < (32 << 20);
+  });
+  const io::MoeCase c = make_case(sp);
+  const std::vector<int64_t> tokens = reference_tokens(sp, c);
+  ASSERT_EQ(static_cast<int64_t>(tokens.size()), c.num_tokens);
+  const Outcome ref = reference_outcome(c, tokens), with = reference_outcome(c, tokens, true);
+  ASSERT_FALSE(ref.refused) << ref.message;
+  EXPECT_TRUE(ref.slack.empty());
+  ASSERT_EQ(with.result.output, ref.result.output);
+  const int64_t H = sp.problem.hidden;
+  auto moved_by = [&](double times, double ulps) {
+    Outcome o = ref;
+    for (int64_t h = 0; h < H; ++h) {
+      const float r = ref.result.output_f32[h];
+      int exp = 0;
+      std::frexp(r, &exp);
+      const double ulp = std::ldexp(1.0, exp - 8);  // of a bf16 value with r's exponent
+      o.result.output[h] = format::bf16_from_float(static_cast<float>(r + times * with.slack[h] + ulps * ulp));
+    }
+    return o;
+  };
+  const Outcome near = moved_by(0.5, 0.0);  // NOTE: the relative L2 bound does not take the slack
+  ASSERT_NE(compare_outputs(near.result.output, ref.result.output, c.num_tokens, H), "")
+      << sp.describe() << ": token 0's slack does not reach past the check without it";
+  EXPECT_EQ(check_outcome(c, tokens, ref, near, false), "") << sp.describe();
+  EXPECT_NE(check_outcome(c, tokens, ref, moved_by(3.0, 2.0), false), "") << sp.describe();
+}
+
 TEST(SoakCheck, InvalidIdsAreRefusedByTheReferenceAndNanRowsOnTheGpu) {
   const SoakProblem sp = find_problem([](const SoakProblem& s) {
     return s.invalid_id_tokens > 0 && !s.problem.routing.skip_foreign_ids && s.num_tokens > s.invalid_id_tokens;
