@@ -48,7 +48,7 @@ inline double sigmoid(double x) { return 1.0 / (1.0 + std::exp(-x)); }
 inline double silu(double g) { return g / (1.0 + std::exp(-g)); }
 inline double gelu_erf(double g) { return 0.5 * g * (1.0 + std::erf(g / std::sqrt(2.0))); }
 
-inline float bf16_round(float x) { return format::bf16_to_float(format::bf16_from_float(x)); }
+using detail::bf16_round;
 
 // Grouping of the T*k entries by expert (step 2).
 // Expert-major, stable. Ids outside [0, E) (another rank's experts, skip_foreign_ids) go to a last
@@ -124,21 +124,11 @@ void expert_gemm(const Permutation& perm, int64_t num_experts, int64_t K, int64_
   });
 }
 
-RowSource nvfp4_rows(const uint8_t* w, const uint8_t* w_scale, int64_t N, int64_t K) {
+// Expert rows decoded into `buf` (detail::decode_expert_rows).
+RowSource quantized_rows(WeightFormat wf, const uint8_t* w, const uint8_t* w_scale, int64_t N, int64_t K) {
   return [=](int64_t e, int64_t n0, int64_t n1, std::vector<float>& buf) -> const float* {
     buf.resize(static_cast<size_t>((n1 - n0) * K));
-    const int64_t row = e * N + n0;
-    format::dequantize_nvfp4(w + row * (K / 2), w_scale + row * (K / kBlockSize), n1 - n0, K, buf.data());
-    return buf.data();
-  };
-}
-
-RowSource mxfp4_rows(const uint8_t* w, const uint8_t* w_scale, int64_t N, int64_t K) {
-  return [=](int64_t e, int64_t n0, int64_t n1, std::vector<float>& buf) -> const float* {
-    buf.resize(static_cast<size_t>((n1 - n0) * K));
-    const int64_t row = e * N + n0;
-    format::dequantize_mxfp4(w + row * (K / 2), w_scale + row * (K / format::kMxfp4BlockSize), n1 - n0, K,
-                             buf.data());
+    detail::decode_expert_rows(wf, w, w_scale, e, n0, n1, N, K, buf.data());
     return buf.data();
   };
 }
@@ -441,8 +431,8 @@ MoeResult moe_forward(const MoeProblem& problem, int64_t num_tokens, const uint1
   // ---- 4. GEMM1 ----
   const std::vector<float>& alpha1 = scales.alpha1;
   const std::vector<float>& alpha2 = scales.alpha2;
-  auto weight_rows = [mxfp4](const uint8_t* w, const uint8_t* w_scale, int64_t N, int64_t K) {
-    return mxfp4 ? mxfp4_rows(w, w_scale, N, K) : nvfp4_rows(w, w_scale, N, K);
+  auto weight_rows = [&problem](const uint8_t* w, const uint8_t* w_scale, int64_t N, int64_t K) {
+    return quantized_rows(problem.weight_format, w, w_scale, N, K);
   };
   std::vector<float> h(static_cast<size_t>(R * s.N1));
   expert_gemm(perm, E, H, s.N1, a.data(), alpha1.data(), weights.w13_bias,

@@ -29,18 +29,8 @@
 namespace fp4moe::reference {
 namespace {
 
+using detail::bf16_round;
 using format::kBlockSize;
-
-// Rows [0, N) of expert e of a weight tensor [E, N, K] as fp32 values.
-void decode_expert(WeightFormat wf, const uint8_t* w, const uint8_t* w_scale, int64_t e, int64_t N, int64_t K,
-                   std::vector<float>& out) {
-  out.resize(static_cast<size_t>(N * K));
-  if (wf == WeightFormat::MXFP4) {
-    format::dequantize_mxfp4(w + e * N * (K / 2), w_scale + e * N * (K / format::kMxfp4BlockSize), N, K, out.data());
-  } else {
-    format::dequantize_nvfp4(w + e * N * (K / 2), w_scale + e * N * (K / kBlockSize), N, K, out.data());
-  }
-}
 
 // The 2-norm of each row [0, N) of expert e of a weight tensor [E, N, K], from its codes: a block's
 // sum of squares is its scale squared times the sum of its codes' squares (exact in double).
@@ -70,8 +60,6 @@ void expert_row_norms(WeightFormat wf, const uint8_t* w, const uint8_t* w_scale,
     out[n] = std::sqrt(sum);
   }
 }
-
-float bf16_round(float x) { return format::bf16_to_float(format::bf16_from_float(x)); }
 
 // q*sf values of quantize_nvfp4 of one block; returns the block's e4m3 scale code.
 uint8_t quantize_block(const float* x, float input_scale, float* dq) {
@@ -157,6 +145,7 @@ std::vector<float> output_rounding_slack(const MoeProblem& problem, const MoeWei
   if (R == 0) return out;
   const detail::LayerScales scales = detail::layer_scales(problem, weights);
   const bool unit_weights = problem.routing.apply_router_weight_on_input;
+  const double g_min = gate_minimum(problem.activation);
 
   std::vector<std::vector<int64_t>> entries(static_cast<size_t>(E));  // the entries of each expert
   for (int64_t i = 0; i < R; ++i) {
@@ -183,7 +172,6 @@ std::vector<float> output_rounding_slack(const MoeProblem& problem, const MoeWei
     sc.lo.resize(static_cast<size_t>(I));
     sc.hi.resize(static_cast<size_t>(I));
     sc.delta.resize(static_cast<size_t>(I));
-    const double g_min = gate_minimum(problem.activation);
     for (const int64_t entry : entries[e]) {
       // ---- steps 1-2 ----
       const double dh = gemm1_error * alpha1 * norm(trace.gemm1_input.data() + entry * H, H);
@@ -219,7 +207,8 @@ std::vector<float> output_rounding_slack(const MoeProblem& problem, const MoeWei
       if (sc.doubtful.empty()) continue;
       // ---- step 4 ----
       if (!w2_decoded) {  // |W2|^T [I, H]: a doubtful column's weights are one contiguous row
-        decode_expert(problem.weight_format, weights.w2, weights.w2_scale, e, H, I, sc.w2);
+        sc.w2.resize(static_cast<size_t>(H * I));
+        detail::decode_expert_rows(problem.weight_format, weights.w2, weights.w2_scale, e, 0, H, H, I, sc.w2.data());
         sc.w2_abs_t.resize(static_cast<size_t>(I * H));
         for (int64_t n = 0; n < H; ++n)
           for (int64_t i = 0; i < I; ++i) sc.w2_abs_t[i * H + n] = std::fabs(sc.w2[n * I + i]);
