@@ -309,4 +309,36 @@ struct FinalizeArgs {
 };
 cudaError_t launch_finalize(const FinalizeArgs& args, cudaStream_t stream);
 
+// ---- expert-parallel dispatch (runner/ep_dispatch.hpp is the CPU oracle; the same outputs) ----------
+// Over N ranks (rank d holding experts [first(d), first(d+1)), io::expert_range's split) a source's S
+// rows of rows_top_k ids each: a row goes once to every rank that holds one of its ids, destination-major,
+// ascending source row within a destination. Written on the device, no host synchronisation:
+struct EpPlanArgs {
+  const int32_t* ids = nullptr;      // [S, rows_top_k]
+  int num_rows = 0;                  // S
+  int rows_top_k = 0;
+  int num_experts = 0;               // E
+  int ranks = 0;                     // N, 1 <= N <= E
+  int32_t* send_offsets = nullptr;   // [N + 1]: rows for rank d are [send_offsets[d], send_offsets[d+1])
+  int32_t* send_rows = nullptr;      // [S * min(N, rows_top_k)]: the source row of each sent row
+  int32_t* send_ids = nullptr;       // [that * rows_top_k]: the destination's local ids, -1 elsewhere
+  int32_t* gather_index = nullptr;   // [S * rows_top_k]: entry (s, j)'s row in the combined y, -1 for an
+                                     //   id outside [0, E)
+};
+cudaError_t launch_ep_plan(const EpPlanArgs& args, cudaStream_t stream);
+
+// dst row i = src row index[i] (row_bytes each) for i < count, where count is *device_count when given
+// (read on the device: the plan's send_offsets[N]), else max_rows; rows with index[i] < 0 are left as
+// they are. Packs the rows of every destination (index = send_rows) and gathers the combined y back
+// into entry order (index = gather_index).
+struct GatherRowsArgs {
+  const int32_t* index = nullptr;         // [max_rows]
+  int max_rows = 0;
+  const int32_t* device_count = nullptr;  // [1] or nullptr
+  const void* src = nullptr;
+  void* dst = nullptr;
+  int64_t row_bytes = 0;
+};
+cudaError_t launch_gather_rows(const GatherRowsArgs& args, cudaStream_t stream);
+
 }  // namespace fp4moe::kernels

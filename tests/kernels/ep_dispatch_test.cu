@@ -1,0 +1,151 @@
+// tests/kernels/ep_dispatch_test.cu — the device-side expert-parallel plan and row gathers
+// (kernels/ep_dispatch.cu) against the CPU plan (runner/ep_dispatch.hpp): every output equal, on random
+// routings with invalid ids, on a rank that gets nothing and one that gets every row, for N = 2, 4, 8;
+// outputs poisoned before each launch.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "kernels/gpu_test_util.hpp"
+#include "kernels/launch.hpp"
+#include "runner/ep_dispatch.hpp"
+
+namespace fp4moe {
+namespace {
+
+using test::DeviceBuffer;
+
+std::vector<int32_t> random_ids(int64_t rows, int k, int64_t E, uint64_t seed, double invalid) {
+  std::mt19937_64 rng(seed);
+  std::vector<int32_t> ids(static_cast<size_t>(rows * k));
+  std::vector<int32_t> pool(static_cast<size_t>(E));
+  for (int64_t s = 0; s < rows; ++s) {
+    for (int64_t e = 0; e < E; ++e) pool[e] = static_cast<int32_t>(e);
+    std::shuffle(pool.begin(), pool.end(), rng);  // distinct experts per row, as a router gives
+    for (int j = 0; j < k; ++j) ids[s * k + j] = pool[j];
+  }
+  std::bernoulli_distribution bad(invalid);
+  for (auto& id : ids)
+    if (bad(rng)) id = (rng() & 1) ? static_cast<int32_t>(E + rng() % 5) : -1 - static_cast<int32_t>(rng() % 3);
+  return ids;
+}
+
+template <typename A, typename B>
+void expect_same(const std::vector<A>& got, const std::vector<B>& want, const char* what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  for (size_t i = 0; i < got.size(); ++i) ASSERT_EQ(int64_t(got[i]), int64_t(want[i])) << what << "[" << i << "]";
+}
+
+// The device plan of ids [S, k] over N ranks equals ep::plan_dispatch's; then the pack (send_rows) and
+// the combine gather (gather_index) move the rows the CPU pack_rows moves.
+void check_device_plan(const std::vector<int32_t>& ids, int S, int k, int E, int N) {
+  SCOPED_TRACE("N=" + std::to_string(N) + " S=" + std::to_string(S) + " k=" + std::to_string(k) + " E=" + std::to_string(E));
+  const ep::DispatchPlan want = ep::plan_dispatch(ids.data(), S, k, E, N);
+  const int cap = std::max(1, S * std::min(N, k));
+  DeviceBuffer<int32_t> d_ids(std::max<size_t>(ids.size(), 1)), offsets(N + 1), rows(cap), send_ids(size_t(cap) * k),
+      gather(std::max(1, S * k));
+  d_ids.upload(ids);
+  for (auto* b : {&offsets, &rows, &send_ids, &gather}) b->poison();
+  kernels::EpPlanArgs a;
+  a.ids = d_ids.get();
+  a.num_rows = S;
+  a.rows_top_k = k;
+  a.num_experts = E;
+  a.ranks = N;
+  a.send_offsets = offsets.get();
+  a.send_rows = rows.get();
+  a.send_ids = send_ids.get();
+  a.gather_index = gather.get();
+  CUDA_ASSERT(kernels::launch_ep_plan(a, nullptr));
+  CUDA_ASSERT(cudaDeviceSynchronize());
+  const std::vector<int32_t> got_offsets = offsets.download();
+  expect_same(got_offsets, want.send_offsets, "send_offsets");
+  const size_t sent = size_t(want.sent());
+  expect_same(rows.download(sent), want.send_rows, "send_rows");
+  expect_same(send_ids.download(sent * k), want.send_ids, "send_ids");
+  expect_same(gather.download(size_t(S) * k), want.gather_index, "gather_index");
+
+  // Pack, with row sizes that take each copy word: 16-byte (NVFP4 values of H = 7168), 4-byte, 1-byte.
+  for (int64_t row_bytes : {int64_t(3584), int64_t(12), int64_t(5)}) {
+    std::vector<uint8_t> src(size_t(std::max(1, S)) * row_bytes);
+    for (size_t i = 0; i < src.size(); ++i) src[i] = static_cast<uint8_t>(i * 131 + 7);
+    DeviceBuffer<uint8_t> d_src(src), d_dst(size_t(cap) * row_bytes);
+    d_dst.poison(0xA5);
+    kernels::GatherRowsArgs g;
+    g.index = rows.get();
+    g.max_rows = cap;
+    g.device_count = offsets.get() + N;  // the plan's total, read on the device
+    g.src = d_src.get();
+    g.dst = d_dst.get();
+    g.row_bytes = row_bytes;
+    CUDA_ASSERT(kernels::launch_gather_rows(g, nullptr));
+    const std::vector<uint8_t> got = d_dst.download();
+    std::vector<uint8_t> packed;
+    for (int d = 0; d < N; ++d) {
+      std::vector<uint8_t> one(size_t(want.send_count(d) * row_bytes));
+      ep::pack_rows(want, d, src.data(), row_bytes, one.data());
+      packed.insert(packed.end(), one.begin(), one.end());
+    }
+    ASSERT_EQ(std::memcmp(got.data(), packed.data(), packed.size()), 0) << "pack, row_bytes " << row_bytes;
+    for (size_t i = packed.size(); i < got.size(); ++i) ASSERT_EQ(got[i], 0xA5) << "past the sent rows, byte " << i;
+  }
+
+  // The combine: entry e's row of the combined y (row p * k + j for sent row p's slot j) back at entry e;
+  // entries with an invalid id keep their poison.
+  const int64_t H = 24;  // fp32 rows of 96 bytes
+  std::vector<float> combined(std::max<size_t>(sent * k, 1) * H);
+  for (size_t i = 0; i < combined.size(); ++i) combined[i] = float(i) * 0.5f + 1.0f;
+  DeviceBuffer<float> d_combined(combined), y(size_t(std::max(1, S * k)) * H);
+  y.poison();
+  kernels::GatherRowsArgs g;
+  g.index = gather.get();
+  g.max_rows = S * k;
+  g.src = d_combined.get();
+  g.dst = y.get();
+  g.row_bytes = H * 4;
+  CUDA_ASSERT(kernels::launch_gather_rows(g, nullptr));
+  const std::vector<float> got = y.download();
+  for (int64_t e = 0; e < int64_t(S) * k; ++e) {
+    const int64_t from = want.gather_index[e];
+    for (int64_t h = 0; h < H; ++h)
+      ASSERT_EQ(test::float_bits(got[e * H + h]), from < 0 ? 0xFFFFFFFFu : test::float_bits(combined[from * H + h]))
+          << "entry " << e << " element " << h;
+  }
+}
+
+TEST(EpDispatchKernel, RandomRoutingsEqualTheCpuPlan) {
+  FP4MOE_REQUIRE_SM90();
+  for (int N : {2, 4, 8})
+    for (int S : {0, 1, 37, 4096, 5000})
+      for (int k : {1, 2, 8})
+        for (int E : {64, 257}) {
+          const std::vector<int32_t> ids = random_ids(S, k, E, 7919u * N + 31u * S + 7u * k + E, 0.05);
+          check_device_plan(ids, S, k, E, N);
+          if (HasFatalFailure()) return;
+        }
+}
+
+TEST(EpDispatchKernel, ARankThatGetsNothingAndOneThatGetsEverything) {
+  FP4MOE_REQUIRE_SM90();
+  const int E = 16, S = 37, k = 2, N = 4;
+  std::vector<int32_t> ids(S * k);
+  for (int s = 0; s < S; ++s) ids[s * k] = s % 4, ids[s * k + 1] = 4 + s % 4;  // ranks 0 and 1 only
+  check_device_plan(ids, S, k, E, N);
+  for (int s = 0; s < S; ++s) ids[s * k] = 12, ids[s * k + 1] = 15;  // both slots on rank 3
+  check_device_plan(ids, S, k, E, N);
+  std::fill(ids.begin(), ids.end(), -1);  // nothing sent, nothing gathered
+  check_device_plan(ids, S, k, E, N);
+  check_device_plan(std::vector<int32_t>(size_t(S), 3), S, 1, E, 8);  // one row per entry, all on rank 1
+}
+
+TEST(EpDispatchKernel, OneRankPerExpert) {
+  FP4MOE_REQUIRE_SM90();
+  const std::vector<int32_t> ids = random_ids(300, 4, 8, 5, 0.1);
+  check_device_plan(ids, 300, 4, 8, 8);
+}
+
+}  // namespace
+}  // namespace fp4moe
