@@ -6,32 +6,18 @@
 
 #include <algorithm>
 #include <cstring>
-#include <random>
 #include <vector>
 
 #include "kernels/gpu_test_util.hpp"
 #include "kernels/launch.hpp"
 #include "runner/ep_dispatch.hpp"
+#include "routing_ids.hpp"
 
 namespace fp4moe {
 namespace {
 
 using test::DeviceBuffer;
-
-std::vector<int32_t> random_ids(int64_t rows, int k, int64_t E, uint64_t seed, double invalid) {
-  std::mt19937_64 rng(seed);
-  std::vector<int32_t> ids(static_cast<size_t>(rows * k));
-  std::vector<int32_t> pool(static_cast<size_t>(E));
-  for (int64_t s = 0; s < rows; ++s) {
-    for (int64_t e = 0; e < E; ++e) pool[e] = static_cast<int32_t>(e);
-    std::shuffle(pool.begin(), pool.end(), rng);  // distinct experts per row, as a router gives
-    for (int j = 0; j < k; ++j) ids[s * k + j] = pool[j];
-  }
-  std::bernoulli_distribution bad(invalid);
-  for (auto& id : ids)
-    if (bad(rng)) id = (rng() & 1) ? static_cast<int32_t>(E + rng() % 5) : -1 - static_cast<int32_t>(rng() % 3);
-  return ids;
-}
+using test::random_ids;
 
 template <typename A, typename B>
 void expect_same(const std::vector<A>& got, const std::vector<B>& want, const char* what) {

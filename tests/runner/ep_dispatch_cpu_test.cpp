@@ -7,7 +7,6 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
-#include <random>
 #include <vector>
 
 #include "error_message.hpp"
@@ -16,24 +15,12 @@
 #include "fp4moe/presets.hpp"
 #include "fp4moe/reference.hpp"
 #include "layout_fixtures.hpp"
+#include "routing_ids.hpp"
 
 namespace fp4moe {
 namespace {
 
-std::vector<int32_t> random_ids(int64_t rows, int k, int64_t E, uint64_t seed, double invalid = 0.0) {
-  std::mt19937_64 rng(seed);
-  std::vector<int32_t> ids(static_cast<size_t>(rows * k));
-  for (int64_t s = 0; s < rows; ++s) {
-    std::vector<int32_t> pool(static_cast<size_t>(E));
-    for (int64_t e = 0; e < E; ++e) pool[e] = static_cast<int32_t>(e);
-    std::shuffle(pool.begin(), pool.end(), rng);  // distinct experts per row, as a router gives
-    for (int j = 0; j < k; ++j) ids[s * k + j] = pool[j];
-  }
-  std::bernoulli_distribution bad(invalid);
-  for (auto& id : ids)
-    if (bad(rng)) id = (rng() & 1) ? static_cast<int32_t>(E + rng() % 5) : -1 - static_cast<int32_t>(rng() % 3);
-  return ids;
-}
+using test::random_ids;
 
 // Every property of the plan, from its definition.
 void check_plan(const ep::DispatchPlan& p, const std::vector<int32_t>& ids, int64_t S, int k, int64_t E, int N) {
