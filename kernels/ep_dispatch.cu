@@ -4,13 +4,17 @@
 // oracle, gives the same outputs), in one block of kThreads threads, thread t owning the contiguous
 // rows [t * chunk, (t + 1) * chunk):
 //   1. every entry whose id is outside [0, E) gets gather_index -1;
-//   2. for each destination d in order: each thread counts its rows with an id on d, a block-wide
-//      exclusive scan turns the counts into positions after the rows of ranks < d, and each thread
-//      writes its rows' send_rows, local send_ids and gather_index in ascending row order;
-//   3. send_offsets[d + 1] = the rows for ranks <= d.
+//   2. for each destination d in order: each thread counts its rows with an id on d and their slots
+//      on d, two block-wide exclusive scans turn the counts into positions after the rows (entries) of
+//      ranks < d, and each thread writes its rows' send_rows, local send_ids and gather_index (the
+//      entry's position among the returned entries) in ascending row order;
+//   3. send_offsets[d + 1] / send_entry_offsets[d + 1] = the rows / entries for ranks <= d.
 // Integer work in a fixed order: deterministic, and destination-major with ascending rows as the CPU
 // plan defines it. NOTE: one block reads the ids N times; the plan is a few microseconds at decode and
 // stays small next to the GEMMs at prefill (S * rows_top_k ids are at most a few MB, from L2).
+//
+// compact_entries lists a destination's entries with a local id in ascending order (the y rows it
+// returns), in one block the same way.
 //
 // gather_rows copies whole rows by an index (the destinations' send buffers, or the combined y back
 // into entry order) in the widest word that the row size and both pointers allow.
@@ -49,19 +53,23 @@ __global__ void __launch_bounds__(kThreads) ep_plan_kernel(EpPlanArgs a) {
   for (int s = row_begin; s < row_end; ++s)
     for (int j = 0; j < rk; ++j)
       if (split.owner(a.ids[s * rk + j], a.num_experts) < 0) a.gather_index[s * rk + j] = -1;
-  if (threadIdx.x == 0) a.send_offsets[0] = 0;
-  int base = 0;  // rows sent to ranks < d (the same value in every thread)
+  if (threadIdx.x == 0) a.send_offsets[0] = 0, a.send_entry_offsets[0] = 0;
+  int base = 0, entry_base = 0;  // rows / entries sent to ranks < d (the same values in every thread)
   for (int d = 0; d < a.ranks; ++d) {
-    int count = 0;
+    int count = 0, entry_count = 0;
     for (int s = row_begin; s < row_end; ++s) {
-      bool here = false;
-      for (int j = 0; j < rk; ++j) here |= split.owner(a.ids[s * rk + j], a.num_experts) == d;
-      count += here;
+      int mine = 0;
+      for (int j = 0; j < rk; ++j) mine += split.owner(a.ids[s * rk + j], a.num_experts) == d;
+      count += mine > 0;
+      entry_count += mine;
     }
-    int pos = 0, total = 0;
+    int pos = 0, total = 0, entry_pos = 0, entry_total = 0;
     Scan(scan_storage).ExclusiveSum(count, pos, total);
-    __syncthreads();  // scan_storage is reused by the next destination's scan
+    __syncthreads();  // scan_storage is reused by the next scan
+    Scan(scan_storage).ExclusiveSum(entry_count, entry_pos, entry_total);
+    __syncthreads();
     pos += base;
+    entry_pos += entry_base;
     const int first = split.first(d);
     for (int s = row_begin; s < row_end; ++s) {
       bool here = false;
@@ -72,13 +80,27 @@ __global__ void __launch_bounds__(kThreads) ep_plan_kernel(EpPlanArgs a) {
         const int e = a.ids[s * rk + j];
         const bool mine = split.owner(e, a.num_experts) == d;
         a.send_ids[pos * rk + j] = mine ? e - first : -1;
-        if (mine) a.gather_index[s * rk + j] = pos * rk + j;
+        if (mine) a.gather_index[s * rk + j] = entry_pos++;
       }
       ++pos;
     }
     base += total;
-    if (threadIdx.x == 0) a.send_offsets[d + 1] = base;
+    entry_base += entry_total;
+    if (threadIdx.x == 0) a.send_offsets[d + 1] = base, a.send_entry_offsets[d + 1] = entry_base;
   }
+}
+
+__global__ void __launch_bounds__(kThreads) compact_entries_kernel(CompactEntriesArgs a) {
+  using Scan = cub::BlockScan<int, kThreads>;
+  __shared__ typename Scan::TempStorage scan_storage;
+  const int chunk = (a.num_entries + kThreads - 1) / kThreads;
+  const int begin = min(a.num_entries, int(threadIdx.x) * chunk), end = min(a.num_entries, begin + chunk);
+  int count = 0;
+  for (int e = begin; e < end; ++e) count += a.ids[e] >= 0;
+  int pos = 0;
+  Scan(scan_storage).ExclusiveSum(count, pos);
+  for (int e = begin; e < end; ++e)
+    if (a.ids[e] >= 0) a.list[pos++] = e;
 }
 
 // One warp per row, Word-sized copies (row_bytes a multiple of sizeof(Word), both pointers aligned to it).
@@ -108,6 +130,14 @@ cudaError_t launch_ep_plan(const EpPlanArgs& a, cudaStream_t stream) {
   if (int64_t(a.num_rows) * std::min(a.ranks, a.rows_top_k) * a.rows_top_k >= (int64_t(1) << 31))
     return cudaErrorInvalidValue;
   ep_plan_kernel<<<1, kThreads, 0, stream>>>(a);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_compact_entries(const CompactEntriesArgs& a, cudaStream_t stream) {
+  if (a.num_entries < 0) return cudaErrorInvalidValue;
+  if (a.num_entries == 0) return cudaSuccess;
+  if (a.ids == nullptr || a.list == nullptr) return cudaErrorInvalidValue;
+  compact_entries_kernel<<<1, kThreads, 0, stream>>>(a);
   return cudaGetLastError();
 }
 

@@ -322,10 +322,21 @@ struct EpPlanArgs {
   int32_t* send_offsets = nullptr;   // [N + 1]: rows for rank d are [send_offsets[d], send_offsets[d+1])
   int32_t* send_rows = nullptr;      // [S * min(N, rows_top_k)]: the source row of each sent row
   int32_t* send_ids = nullptr;       // [that * rows_top_k]: the destination's local ids, -1 elsewhere
-  int32_t* gather_index = nullptr;   // [S * rows_top_k]: entry (s, j)'s row in the combined y, -1 for an
-                                     //   id outside [0, E)
+  int32_t* send_entry_offsets = nullptr;  // [N + 1]: the slots with an id on rank d (the entries it
+                                          //   returns) are [send_entry_offsets[d], send_entry_offsets[d+1])
+  int32_t* gather_index = nullptr;   // [S * rows_top_k]: entry (s, j)'s row in the combined y (the ranks'
+                                     //   returned entries in rank order), -1 for an id outside [0, E)
 };
 cudaError_t launch_ep_plan(const EpPlanArgs& args, cudaStream_t stream);
+
+// The entries a rank computed from its received rows (ids [num_entries], local, -1: none): list[i] =
+// the i-th entry with an id >= 0, ascending (ep::compact_entries); the rest of list is not written.
+struct CompactEntriesArgs {
+  const int32_t* ids = nullptr;
+  int num_entries = 0;
+  int32_t* list = nullptr;  // [num_entries]
+};
+cudaError_t launch_compact_entries(const CompactEntriesArgs& args, cudaStream_t stream);
 
 // dst row i = src row index[i] (row_bytes each) for i < count, where count is *device_count when given
 // (read on the device: the plan's send_offsets[N]), else max_rows; rows with index[i] < 0 are left as

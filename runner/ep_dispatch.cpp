@@ -31,19 +31,24 @@ DispatchPlan plan_dispatch(const int32_t* ids, int64_t num_rows, int rows_top_k,
 
   // Counts: a row goes to a rank once however many of its slots that rank holds.
   p.send_offsets.assign(static_cast<size_t>(ranks) + 1, 0);
+  p.send_entry_offsets.assign(static_cast<size_t>(ranks) + 1, 0);
   std::vector<char> goes(static_cast<size_t>(ranks));
   for (int64_t s = 0; s < num_rows; ++s) {
     std::fill(goes.begin(), goes.end(), 0);
     for (int64_t j = 0; j < k; ++j)
-      if (int d = owner_rank(num_experts, ranks, ids[s * k + j]); d >= 0) goes[d] = 1;
+      if (int d = owner_rank(num_experts, ranks, ids[s * k + j]); d >= 0) goes[d] = 1, ++p.send_entry_offsets[d + 1];
     for (int d = 0; d < ranks; ++d) p.send_offsets[d + 1] += goes[d];
   }
-  for (int d = 0; d < ranks; ++d) p.send_offsets[d + 1] += p.send_offsets[d];
+  for (int d = 0; d < ranks; ++d) {
+    p.send_offsets[d + 1] += p.send_offsets[d];
+    p.send_entry_offsets[d + 1] += p.send_entry_offsets[d];
+  }
 
   p.send_rows.resize(static_cast<size_t>(p.sent()));
   p.send_ids.assign(static_cast<size_t>(p.sent() * k), -1);
   p.gather_index.assign(static_cast<size_t>(entries), -1);
   std::vector<int64_t> fill(p.send_offsets.begin(), p.send_offsets.end() - 1);
+  std::vector<int64_t> entry_fill(p.send_entry_offsets.begin(), p.send_entry_offsets.end() - 1);
   std::vector<int64_t> slot_of(static_cast<size_t>(ranks));
   for (int64_t s = 0; s < num_rows; ++s) {
     std::fill(slot_of.begin(), slot_of.end(), -1);
@@ -56,10 +61,18 @@ DispatchPlan plan_dispatch(const int32_t* ids, int64_t num_rows, int rows_top_k,
         p.send_rows[slot_of[d]] = s;
       }
       p.send_ids[slot_of[d] * k + j] = static_cast<int32_t>(e - first[d]);
-      p.gather_index[s * k + j] = slot_of[d] * k + j;
+      p.gather_index[s * k + j] = entry_fill[d]++;  // rows ascend within d, slots within a row
     }
   }
   return p;
+}
+
+std::vector<int64_t> compact_entries(const int32_t* ids, int64_t entries) {
+  check(entries >= 0 && (entries == 0 || ids != nullptr), "compact_entries: need ids for ", entries, " entries");
+  std::vector<int64_t> out;
+  for (int64_t e = 0; e < entries; ++e)
+    if (ids[e] >= 0) out.push_back(e);
+  return out;
 }
 
 std::vector<int64_t> receive_offsets(const std::vector<int64_t>& counts, int ranks, int d) {

@@ -9,9 +9,10 @@
 //      destination-major, in ascending source row within a destination.
 //   3. experts (MoeRunner::experts) on each rank over the rows it received, concatenated in source
 //      rank order: y [rows * rows_top_k, H] fp32 per entry.
-//   4. combine: each rank returns the y of the rows it received, in the order it received them; the
-//      source gathers entry (s, j)'s y from its expert's rank (gather_index), then finalizes with the
-//      global ids and weights: the same y and the same slot-ordered sum as the single-GPU layer.
+//   4. combine: each rank returns the y of the entries it computed (the slots of its received rows that
+//      have a local id, compact_entries), in the order it received them; the source gathers entry
+//      (s, j)'s y from its expert's rank (gather_index), then finalizes with the global ids and weights:
+//      the same y and the same slot-ordered sum as the single-GPU layer.
 #pragma once
 
 #include <cstdint>
@@ -32,12 +33,17 @@ struct DispatchPlan {
   std::vector<int64_t> send_offsets;  // [ranks + 1]: rows for rank d are [send_offsets[d], send_offsets[d+1])
   std::vector<int64_t> send_rows;     // [sent]: the source row of each sent row
   std::vector<int32_t> send_ids;      // [sent * rows_top_k]: the destination's local expert ids, -1 elsewhere
-  // [S * rows_top_k]: where entry (s, j)'s y is in the combined y (the ranks' returned blocks concatenated
-  // in rank order, so that sent row p's slot j is y row p * rows_top_k + j); -1 for an id outside [0, E).
+  // [ranks + 1]: the entries (slots with a local id) of the rows for rank d are
+  // [send_entry_offsets[d], send_entry_offsets[d+1]): what rank d computes and returns.
+  std::vector<int64_t> send_entry_offsets;
+  // [S * rows_top_k]: where entry (s, j)'s y is in the combined y (the ranks' returned entries concatenated
+  // in rank order, each rank's in (sent row, slot) order); -1 for an id outside [0, E).
   std::vector<int64_t> gather_index;
 
   int64_t sent() const { return send_offsets.empty() ? 0 : send_offsets.back(); }
   int64_t send_count(int d) const { return send_offsets[d + 1] - send_offsets[d]; }
+  int64_t entries_sent() const { return send_entry_offsets.empty() ? 0 : send_entry_offsets.back(); }
+  int64_t entry_count(int d) const { return send_entry_offsets[d + 1] - send_entry_offsets[d]; }
 };
 
 // The plan for S rows with ids [S, rows_top_k] over experts [0, E) on `ranks` ranks.
@@ -47,6 +53,10 @@ DispatchPlan plan_dispatch(const int32_t* ids, int64_t num_rows, int rows_top_k,
 // count exchange gives each rank): rows from source src land on rank d at rows
 // [offsets[src], offsets[src + 1]) of d's received rows (source-major), offsets = receive_offsets(.., d).
 std::vector<int64_t> receive_offsets(const std::vector<int64_t>& counts, int ranks, int d);
+
+// The entries a rank computes from its received rows' local ids [entries]: the indices with an id >= 0,
+// ascending (the order the combine returns their y in).
+std::vector<int64_t> compact_entries(const int32_t* ids, int64_t entries);
 
 // A fixed receive capacity (rows per rank, the buffers sized once): throws fp4moe::Error naming the rank
 // and its count when a rank would receive more, before anything is sent.

@@ -1,4 +1,5 @@
 // runner/unavailable — the GPU entry points of a build without CUDA: each one says so.
+#include "fp4moe/expert_parallel.hpp"
 #include "fp4moe/runner.hpp"
 
 namespace fp4moe {
@@ -18,6 +19,18 @@ std::unique_ptr<GpuRouter> GpuRouter::create(const RoutingParams&, int64_t, int)
 
 Status GpuRouter::route(CUstream_st*, int64_t, const void*, LogitsDType, const float*, int32_t*, float*) const {
   return Status::failure("GpuRouter::route: fp4moe was built without CUDA");
+}
+
+std::vector<std::unique_ptr<Communicator>> make_virtual_ranks(int, int, double) { unavailable("make_virtual_ranks"); }
+
+std::unique_ptr<Communicator> make_nccl_communicator(ncclComm*) { unavailable("make_nccl_communicator"); }
+
+std::vector<std::unique_ptr<Communicator>> make_nccl_ranks(const std::vector<int>&) { unavailable("make_nccl_ranks"); }
+
+std::unique_ptr<ExpertParallelLayer> ExpertParallelLayer::create(const MoeProblem& problem, int64_t,
+                                                                 Communicator&, const ExpertParallelOptions&, int) {
+  problem.validate();
+  unavailable("ExpertParallelLayer");
 }
 
 bool cuda_device_available(std::string* why_not) {

@@ -32,9 +32,9 @@ void check_device_plan(const std::vector<int32_t>& ids, int S, int k, int E, int
   const ep::DispatchPlan want = ep::plan_dispatch(ids.data(), S, k, E, N);
   const int cap = std::max(1, S * std::min(N, k));
   DeviceBuffer<int32_t> d_ids(std::max<size_t>(ids.size(), 1)), offsets(N + 1), rows(cap), send_ids(size_t(cap) * k),
-      gather(std::max(1, S * k));
+      entry_offsets(N + 1), gather(std::max(1, S * k));
   d_ids.upload(ids);
-  for (auto* b : {&offsets, &rows, &send_ids, &gather}) b->poison();
+  for (auto* b : {&offsets, &rows, &send_ids, &entry_offsets, &gather}) b->poison();
   kernels::EpPlanArgs a;
   a.ids = d_ids.get();
   a.num_rows = S;
@@ -44,11 +44,13 @@ void check_device_plan(const std::vector<int32_t>& ids, int S, int k, int E, int
   a.send_offsets = offsets.get();
   a.send_rows = rows.get();
   a.send_ids = send_ids.get();
+  a.send_entry_offsets = entry_offsets.get();
   a.gather_index = gather.get();
   CUDA_ASSERT(kernels::launch_ep_plan(a, nullptr));
   CUDA_ASSERT(cudaDeviceSynchronize());
   const std::vector<int32_t> got_offsets = offsets.download();
   expect_same(got_offsets, want.send_offsets, "send_offsets");
+  expect_same(entry_offsets.download(), want.send_entry_offsets, "send_entry_offsets");
   const size_t sent = size_t(want.sent());
   expect_same(rows.download(sent), want.send_rows, "send_rows");
   expect_same(send_ids.download(sent * k), want.send_ids, "send_ids");
@@ -79,10 +81,10 @@ void check_device_plan(const std::vector<int32_t>& ids, int S, int k, int E, int
     for (size_t i = packed.size(); i < got.size(); ++i) ASSERT_EQ(got[i], 0xA5) << "past the sent rows, byte " << i;
   }
 
-  // The combine: entry e's row of the combined y (row p * k + j for sent row p's slot j) back at entry e;
+  // The combine: entry e's row of the combined y (the returned entries in rank order) back at entry e;
   // entries with an invalid id keep their poison.
   const int64_t H = 24;  // fp32 rows of 96 bytes
-  std::vector<float> combined(std::max<size_t>(sent * k, 1) * H);
+  std::vector<float> combined(std::max<size_t>(size_t(want.entries_sent()), 1) * H);
   for (size_t i = 0; i < combined.size(); ++i) combined[i] = float(i) * 0.5f + 1.0f;
   DeviceBuffer<float> d_combined(combined), y(size_t(std::max(1, S * k)) * H);
   y.poison();
@@ -125,6 +127,27 @@ TEST(EpDispatchKernel, ARankThatGetsNothingAndOneThatGetsEverything) {
   std::fill(ids.begin(), ids.end(), -1);  // nothing sent, nothing gathered
   check_device_plan(ids, S, k, E, N);
   check_device_plan(std::vector<int32_t>(size_t(S), 3), S, 1, E, 8);  // one row per entry, all on rank 1
+}
+
+// A destination's entries with a local id, listed on the device as ep::compact_entries lists them.
+TEST(EpDispatchKernel, CompactEntriesEqualTheCpuList) {
+  FP4MOE_REQUIRE_SM90();
+  for (int n : {1, 37, 1024, 5000, 65536})
+    for (double invalid : {0.0, 0.5, 1.0}) {
+      SCOPED_TRACE("entries=" + std::to_string(n) + " invalid=" + std::to_string(invalid));
+      const std::vector<int32_t> ids = random_ids(n, 1, 16, 17u * n + unsigned(invalid * 10), invalid);
+      const std::vector<int64_t> want = ep::compact_entries(ids.data(), n);
+      DeviceBuffer<int32_t> d_ids(ids), list(static_cast<size_t>(n));
+      list.poison();
+      kernels::CompactEntriesArgs a;
+      a.ids = d_ids.get();
+      a.num_entries = n;
+      a.list = list.get();
+      CUDA_ASSERT(kernels::launch_compact_entries(a, nullptr));
+      const std::vector<int32_t> got = list.download();
+      expect_same(std::vector<int32_t>(got.begin(), got.begin() + int64_t(want.size())), want, "list");
+      for (size_t i = want.size(); i < got.size(); ++i) ASSERT_EQ(uint32_t(got[i]), 0xFFFFFFFFu) << "past the list, " << i;
+    }
 }
 
 TEST(EpDispatchKernel, OneRankPerExpert) {

@@ -6,6 +6,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -26,6 +27,8 @@ using test::random_ids;
 void check_plan(const ep::DispatchPlan& p, const std::vector<int32_t>& ids, int64_t S, int k, int64_t E, int N) {
   ASSERT_EQ(p.send_offsets.size(), size_t(N) + 1);
   ASSERT_EQ(p.send_offsets[0], 0);
+  ASSERT_EQ(p.send_entry_offsets.size(), size_t(N) + 1);
+  ASSERT_EQ(p.send_entry_offsets[0], 0);
   std::vector<int64_t> first(N);
   for (int d = 0; d < N; ++d) first[d] = io::expert_range(E, d, N).first;
   for (int d = 0; d < N; ++d) {
@@ -37,6 +40,7 @@ void check_plan(const ep::DispatchPlan& p, const std::vector<int32_t>& ids, int6
       if (any) want.push_back(s);
     }
     ASSERT_EQ(p.send_count(d), int64_t(want.size())) << "rank " << d;
+    int64_t entry = p.send_entry_offsets[d];  // d's entries in (row, slot) order
     for (size_t i = 0; i < want.size(); ++i) {
       const int64_t pos = p.send_offsets[d] + int64_t(i), s = want[i];
       ASSERT_EQ(p.send_rows[pos], s);
@@ -44,9 +48,10 @@ void check_plan(const ep::DispatchPlan& p, const std::vector<int32_t>& ids, int6
         const int32_t e = ids[s * k + j];
         const bool here = ep::owner_rank(E, N, e) == d;
         ASSERT_EQ(p.send_ids[pos * k + j], here ? e - int32_t(first[d]) : -1) << "row " << s << " slot " << j;
-        if (here) ASSERT_EQ(p.gather_index[s * k + j], pos * k + j);
+        if (here) ASSERT_EQ(p.gather_index[s * k + j], entry++);
       }
     }
+    ASSERT_EQ(entry, p.send_entry_offsets[d + 1]) << "rank " << d;
   }
   for (int64_t s = 0; s < S; ++s)
     for (int j = 0; j < k; ++j)
@@ -94,13 +99,23 @@ TEST(EpDispatch, ARankThatGetsNothingAndOneThatGetsEverything) {
   check_plan(q, ids, S, k, E, N);
   EXPECT_EQ(q.sent(), S);
   EXPECT_EQ(q.send_count(3), S);
+  EXPECT_EQ(q.entry_count(3), 2 * S);  // both slots come back
   EXPECT_EQ(q.send_ids[0], 0);
   EXPECT_EQ(q.send_ids[1], 3);
   // Only invalid ids: nothing is sent, nothing is gathered.
   std::fill(ids.begin(), ids.end(), -1);
   const ep::DispatchPlan r = ep::plan_dispatch(ids.data(), S, k, E, N);
   EXPECT_EQ(r.sent(), 0);
+  EXPECT_EQ(r.entries_sent(), 0);
   for (int64_t g : r.gather_index) EXPECT_EQ(g, -1);
+}
+
+TEST(EpDispatch, CompactEntriesAreTheSlotsWithALocalId) {
+  const int32_t ids[7] = {-1, 3, 0, -1, -1, 2, 7};
+  EXPECT_EQ(ep::compact_entries(ids, 7), (std::vector<int64_t>{1, 2, 5, 6}));
+  EXPECT_TRUE(ep::compact_entries(ids, 1).empty());
+  EXPECT_TRUE(ep::compact_entries(nullptr, 0).empty());
+  expect_error([] { ep::compact_entries(nullptr, 3); }, "compact_entries: need ids for 3 entries");
 }
 
 TEST(EpDispatch, WireBytesPerRow) {
@@ -183,9 +198,10 @@ TEST_P(EpDispatchLayer, EveryEntryComesBackAsTheSingleLayerComputesIt) {
     ep::pack_rows(plan, d, reinterpret_cast<const uint8_t*>(rows.data()), H * 2, reinterpret_cast<uint8_t*>(received.data()));
     const std::vector<int32_t> ids(plan.send_ids.begin() + plan.send_offsets[d] * rk, plan.send_ids.begin() + plan.send_offsets[d + 1] * rk);
     const std::vector<float> y = rank_gemm2_out(local, n, received.data(), ids);
-    combined.insert(combined.end(), y.begin(), y.end());
+    for (int64_t e : ep::compact_entries(ids.data(), int64_t(ids.size())))  // what rank d returns
+      combined.insert(combined.end(), y.begin() + e * H, y.begin() + (e + 1) * H);
   }
-  ASSERT_EQ(int64_t(combined.size()), plan.sent() * rk * H);
+  ASSERT_EQ(int64_t(combined.size()), plan.entries_sent() * H);
   for (int64_t entry = 0; entry < T * k; ++entry) {
     const int64_t g = plan.gather_index[entry];
     ASSERT_GE(g, 0);
@@ -229,7 +245,7 @@ TEST(EpDispatch, EveryRankASourceOnFourVirtualRanks) {
     plans.push_back(ep::plan_dispatch(full.topk_ids.data() + first[r] * k, tokens[r], int(k), E, N));
     for (int d = 0; d < N; ++d) counts[r * N + d] = plans[r].send_count(d);
   }
-  // returned[d][src]: the y rank d returns to source src, [rows * k, H].
+  // returned[d][src]: the y rank d returns to source src, [entries, H].
   std::vector<std::vector<std::vector<float>>> returned(N, std::vector<std::vector<float>>(N));
   for (int d = 0; d < N; ++d) {
     const std::vector<int64_t> offsets = ep::receive_offsets(counts, N, d);
@@ -246,13 +262,16 @@ TEST(EpDispatch, EveryRankASourceOnFourVirtualRanks) {
     const auto [begin, end] = io::expert_range(E, d, N);
     const test::ExpertRangeWeights local(c, begin, end, full.topk_ids);
     const std::vector<float> y = rank_gemm2_out(local, n, received.data(), ids);
-    for (int src = 0; src < N; ++src)
-      returned[d][src].assign(y.begin() + offsets[src] * k * H, y.begin() + offsets[src + 1] * k * H);
+    for (int64_t e : ep::compact_entries(ids.data(), int64_t(ids.size()))) {
+      const int64_t row = e / k;
+      const int src = int(std::upper_bound(offsets.begin(), offsets.end(), row) - offsets.begin()) - 1;
+      returned[d][src].insert(returned[d][src].end(), y.begin() + e * H, y.begin() + (e + 1) * H);
+    }
   }
   for (int src = 0; src < N; ++src) {
     std::vector<float> combined;
     for (int d = 0; d < N; ++d) combined.insert(combined.end(), returned[d][src].begin(), returned[d][src].end());
-    ASSERT_EQ(int64_t(combined.size()), plans[src].sent() * k * H);
+    ASSERT_EQ(int64_t(combined.size()), plans[src].entries_sent() * H);
     for (int64_t entry = 0; entry < tokens[src] * k; ++entry) {
       const int64_t g = plans[src].gather_index[entry];
       ASSERT_GE(g, 0);

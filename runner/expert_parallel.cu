@@ -1,0 +1,400 @@
+// runner/expert_parallel.cu — ExpertParallelLayer (fp4moe/expert_parallel.hpp): one rank of the layer
+// with all-to-all dispatch and combine over a Communicator.
+//
+// The tensors of one forward on rank r of N (S rows of rows_top_k ids: per token, or per entry where a
+// token's slots quantize differently; P = S * min(N, rows_top_k) row copies at most; C the receive
+// capacity in rows):
+//   ids, weights            [T, k]            the caller's (routing writes them)     -> prepare, plan, finalize
+//   rows_values/_scales     [S, H/2 | 2H] / [S, H/16]  prepare (kernels::launch_prepare_rows) -> pack
+//   send_offsets, send_rows, send_ids, send_entry_offsets, gather_index   the plan (kernels::launch_ep_plan)
+//   send_values/_scales     [P, ...]           pack (gather_rows by send_rows)        -> dispatch
+//   recv_values/_scales/_ids [C, ...]          dispatch                               -> experts
+//   y_recv                  [C * rows_top_k, H] fp32, experts (the local MoeRunner)   -> compact
+//   y_send                  [C * rows_top_k, H] the computed entries (compact_entries) -> combine
+//   y_comb                  [S * rows_top_k, H] combine: every rank's returned entries in rank order
+//   y                       [S * rows_top_k, H] entry order (gather_rows by gather_index) -> finalize
+// The receive side is sized for C rows; the local runner's max_tokens is the C rows' entries over k.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "fp4moe/checkpoint.hpp"
+#include "fp4moe/expert_parallel.hpp"
+#include "fp4moe/format.hpp"
+#include "kernels/launch.hpp"
+#include "runner/device_buffer.hpp"
+#include "runner/device_checks.hpp"
+#include "runner/ep_dispatch.hpp"
+#include "runner/forward_plan.hpp"
+#include "runner/hopper_device.hpp"
+
+namespace fp4moe {
+namespace {
+
+std::string cuda_message(const char* what, cudaError_t e) {
+  return detail::concat("ExpertParallelLayer::forward: ", what, ": ", cudaGetErrorName(e), " (", cudaGetErrorString(e),
+                        ")");
+}
+
+// Pinned host memory for the send offsets read back before the exchange.
+class PinnedInts {
+ public:
+  explicit PinnedInts(size_t n) { throw_on_cuda_error(cudaMallocHost(&ptr_, n * sizeof(int32_t)), "ExpertParallelLayer", "cudaMallocHost"); }
+  ~PinnedInts() { cudaFreeHost(ptr_); }
+  PinnedInts(const PinnedInts&) = delete;
+  PinnedInts& operator=(const PinnedInts&) = delete;
+  int32_t* get() const { return ptr_; }
+
+ private:
+  int32_t* ptr_ = nullptr;
+};
+
+MoeProblem rank_problem(const MoeProblem& p, int rank, int size) {
+  MoeProblem local = p;
+  const auto [begin, end] = io::expert_range(p.num_experts, rank, size);
+  local.num_experts = end - begin;
+  local.routing = RoutingParams{};
+  local.routing.method = RoutingMethod::Precomputed;
+  local.routing.top_k = p.top_k();
+  local.routing.apply_router_weight_on_input = p.routing.apply_router_weight_on_input;
+  local.routing.skip_foreign_ids = true;
+  local.routing.total_experts = p.num_experts;
+  return local;
+}
+
+class GpuExpertParallelLayer final : public ExpertParallelLayer {
+ public:
+  GpuExpertParallelLayer(const MoeProblem& p, int64_t max_tokens, Communicator& comm,
+                         const ExpertParallelOptions& options, int device)
+      : ExpertParallelLayer(p, max_tokens),
+        comm_(comm),
+        N_(comm.size()),
+        rank_(comm.rank()),
+        device_(device),
+        local_(rank_problem(p, rank_, N_)) {
+    const int64_t k = p.top_k(), H = p.hidden;
+    const StageRowsShape one = runner::stage_rows_shape(p, 1, ScaleLayout::Linear);
+    rows_top_k_ = one.rows.rows_top_k;
+    format_ = one.rows.format;
+    value_bytes_ = int64_t(one.values_bytes);  // per row
+    scale_bytes_ = int64_t(one.scales_bytes);
+    max_rows_ = rows_top_k_ == 1 ? max_tokens * k : max_tokens;
+    const int64_t copies = max_rows_ * std::min<int64_t>(N_, rows_top_k_);
+    capacity_ = options.receive_capacity_rows > 0 ? options.receive_capacity_rows : N_ * max_rows_;
+    check(capacity_ * rows_top_k_ < (int64_t(1) << 31) && copies * rows_top_k_ < (int64_t(1) << 31),
+          "ExpertParallelLayer::create: the received entries (", capacity_, " rows of ", rows_top_k_,
+          " slots) must fit int32; give a smaller receive_capacity_rows or max_tokens");
+    runner_ = MoeRunner::create(local_, (capacity_ * rows_top_k_ + k - 1) / k, device_);
+    if (options.tactic) runner_->force_tactic(*options.tactic);
+    if (p.routing.method != RoutingMethod::Precomputed) router_ = GpuRouter::create(p.routing, p.num_experts, device_);
+
+    auto buffer = [](int64_t bytes, const char* what) { return std::make_unique<DeviceBuffer>(size_t(bytes), what); };
+    rows_values_ = buffer(max_rows_ * value_bytes_, "ExpertParallelLayer rows");
+    rows_scales_ = buffer(max_rows_ * scale_bytes_, "ExpertParallelLayer row scales");
+    send_offsets_ = buffer(4 * (N_ + 1), "ExpertParallelLayer send offsets");
+    send_entry_offsets_ = buffer(4 * (N_ + 1), "ExpertParallelLayer send entry offsets");
+    send_rows_ = buffer(4 * copies, "ExpertParallelLayer send rows");
+    send_ids_ = buffer(4 * copies * rows_top_k_, "ExpertParallelLayer send ids");
+    gather_index_ = buffer(4 * max_rows_ * rows_top_k_, "ExpertParallelLayer gather index");
+    send_values_ = buffer(copies * value_bytes_, "ExpertParallelLayer send rows");
+    send_scales_ = buffer(copies * scale_bytes_, "ExpertParallelLayer send scales");
+    recv_values_ = buffer(capacity_ * value_bytes_, "ExpertParallelLayer received rows");
+    recv_scales_ = buffer(capacity_ * scale_bytes_, "ExpertParallelLayer received scales");
+    recv_ids_ = buffer(4 * capacity_ * rows_top_k_, "ExpertParallelLayer received ids");
+    compact_list_ = buffer(4 * capacity_ * rows_top_k_, "ExpertParallelLayer computed entries");
+    y_recv_ = buffer(4 * H * capacity_ * rows_top_k_, "ExpertParallelLayer experts' y");
+    y_send_ = buffer(4 * H * capacity_ * rows_top_k_, "ExpertParallelLayer returned y");
+    y_comb_ = buffer(4 * H * max_rows_ * rows_top_k_, "ExpertParallelLayer combined y");
+    y_ = buffer(4 * H * max_rows_ * rows_top_k_, "ExpertParallelLayer y");
+    host_offsets_ = std::make_unique<PinnedInts>(size_t(2 * (N_ + 1)));
+    counts_out_.assign(size_t(N_) * 2 * N_, 0);
+    counts_in_.assign(size_t(N_) * 2 * N_, 0);
+  }
+
+  const MoeProblem& local_problem() const override { return local_; }
+  ExpertParallelTraffic last_traffic() const override { return traffic_; }
+  int rows_top_k() const override { return rows_top_k_; }
+
+  Status prepare_weights(const ExpertParallelWeights& w, const WeightPrepOptions& options) override {
+    const MoeProblem& p = problem_;
+    const int64_t E = p.num_experts, H = p.hidden;
+    const bool w4a4 = p.act_quant != ActQuant::W4A16;
+    if (w4a4 && !w.layer_w13_input_scale)
+      return Status::failure("ExpertParallelLayer::prepare_weights: layer_w13_input_scale (the whole layer's [E]) is "
+                             "required in mode " + std::string(to_string(p.act_quant)));
+    if ((w.local.w2_bias != nullptr) != (w.layer_w2_bias != nullptr))
+      return Status::failure("ExpertParallelLayer::prepare_weights: layer_w2_bias (the whole layer's [E, H]) must be given "
+                             "exactly when the rank's weights have w2_bias");
+    reference::MoeWeights local = w.local;
+    std::vector<float> input_scale = {1.0f};
+    if (w4a4) {
+      const float max_scale = *std::max_element(w.layer_w13_input_scale, w.layer_w13_input_scale + E);
+      if (p.act_quant == ActQuant::W4A4Scalar) {
+        local.w13_input_scale_max = max_scale;  // the rank's GEMM1 alpha uses the layer's one scale
+        input_scale = {max_scale};
+      } else {
+        input_scale.assign(w.layer_w13_input_scale, w.layer_w13_input_scale + E);
+      }
+    }
+    if (Status s = runner_->prepare_weights(local, options); !s.ok()) return s;
+    try {
+      input_scale_ = std::make_unique<DeviceBuffer>(input_scale.size() * 4, "ExpertParallelLayer input scale");
+      throw_on_cuda_error(cudaMemcpy(input_scale_->ptr, input_scale.data(), input_scale.size() * 4, cudaMemcpyHostToDevice),
+                          "ExpertParallelLayer::prepare_weights", "uploading the input scale");
+      w2_bias_.reset();
+      if (w.layer_w2_bias) {
+        w2_bias_ = std::make_unique<DeviceBuffer>(size_t(E * H * 4), "ExpertParallelLayer w2_bias");
+        throw_on_cuda_error(cudaMemcpy(w2_bias_->ptr, w.layer_w2_bias, size_t(E * H * 4), cudaMemcpyHostToDevice),
+                            "ExpertParallelLayer::prepare_weights", "uploading w2_bias");
+      }
+      workspace_bytes_ = runner_->workspace_size(runner_->max_tokens());
+      workspace_ = std::make_unique<DeviceBuffer>(workspace_bytes_, "ExpertParallelLayer runner workspace");
+    } catch (const Error& e) {
+      return Status::failure(e.what());
+    }
+    prepared_ = true;
+    return Status::success();
+  }
+
+  Status forward(CUstream_st* stream, const ExpertParallelArgs& a) override {
+    const char* fn = "ExpertParallelLayer::forward";
+    const MoeProblem& p = problem_;
+    if (!prepared_) return Status::failure(detail::concat(fn, ": weights are not prepared (call prepare_weights first)"));
+    if (a.num_tokens < 0 || a.num_tokens > max_tokens_)
+      return Status::failure(detail::concat(fn, ": num_tokens must be in [0, max_tokens=", max_tokens_, "], got ", a.num_tokens));
+    const bool routed = p.routing.method == RoutingMethod::Precomputed;
+    if (routed && a.router_logits)
+      return Status::failure(detail::concat(fn, ": the problem has precomputed routing: pass topk_ids and topk_weights, "
+                                                "not router_logits"));
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return Status::failure(detail::concat(fn, ": the stream is not a valid CUDA stream"));
+    }
+    if (capture != cudaStreamCaptureStatusNone)
+      return Status::failure(detail::concat(fn, ": cannot be captured in a CUDA graph (the send counts are read back on "
+                                                "the host before the exchange); run it eagerly, or capture the "
+                                                "MoeRunner stages between exchanges of your own"));
+    const size_t T = size_t(a.num_tokens), H = size_t(p.hidden), k = size_t(p.top_k());
+    const bool unit = p.routing.apply_router_weight_on_input;
+    const runner::DevicePtr ptrs[] = {
+        {a.hidden, "hidden", 16, T * H * 2, false, T > 0},
+        {a.router_logits, "router_logits", 4, T * size_t(p.num_experts) * 4, false, T > 0 && !routed},
+        {a.topk_ids, "topk_ids", 4, T * k * 4, !routed, T > 0},
+        {a.topk_weights, "topk_weights", 4, T * k * 4, !routed, T > 0},
+        {a.output, "output", 16, T * H * (a.output_dtype == OutputDType::F32 ? 4 : 2), true, T > 0}};
+    if (Status s = runner::check_device_ptrs(fn, stream, ptrs, device_); !s.ok()) return s;
+    (void)cudaGetLastError();
+    if (cudaError_t e = cudaSetDevice(device_); e != cudaSuccess) return Status::failure(cuda_message("cudaSetDevice", e));
+
+    // 1. route
+    if (!routed && T > 0)
+      if (Status s = router_->route(stream, a.num_tokens, a.router_logits, a.logits_dtype, a.routing_bias, a.topk_ids,
+                                    a.topk_weights);
+          !s.ok())
+        return s;
+    const int64_t S = rows_top_k_ == 1 ? int64_t(T * k) : int64_t(T);
+    const int rk = rows_top_k_;
+    // 2. prepare
+    kernels::PrepareRowsArgs pr;
+    pr.hidden = static_cast<const __nv_bfloat16*>(a.hidden);
+    pr.topk_ids = a.topk_ids;
+    pr.topk_weights = a.topk_weights;
+    pr.input_scale = input_scale_->as<float>();
+    pr.num_tokens = int(T);
+    pr.top_k = int(k);
+    pr.hidden_size = int(H);
+    pr.num_experts = int(p.num_experts);
+    pr.per_entry = rk == 1;  // with k = 1 both index alike (MoeRunner::prepare's rule)
+    pr.scale_by_weight = unit;
+    pr.mode = p.act_quant;
+    pr.scale_layout = kernels::ScaleLayout::Linear;
+    pr.values = rows_values_->ptr;
+    pr.scales = rows_scales_->as<uint8_t>();
+    if (cudaError_t e = kernels::launch_prepare_rows(pr, stream); e != cudaSuccess) return Status::failure(cuda_message("prepare_rows", e));
+    // 3. plan and pack
+    kernels::EpPlanArgs plan;
+    plan.ids = a.topk_ids;  // [T, k] is [S, rows_top_k] either way
+    plan.num_rows = int(S);
+    plan.rows_top_k = rk;
+    plan.num_experts = int(p.num_experts);
+    plan.ranks = N_;
+    plan.send_offsets = send_offsets_->as<int32_t>();
+    plan.send_rows = send_rows_->as<int32_t>();
+    plan.send_ids = send_ids_->as<int32_t>();
+    plan.send_entry_offsets = send_entry_offsets_->as<int32_t>();
+    plan.gather_index = gather_index_->as<int32_t>();
+    if (cudaError_t e = kernels::launch_ep_plan(plan, stream); e != cudaSuccess) return Status::failure(cuda_message("ep_plan", e));
+    const int copies = int(S * std::min(N_, rk));
+    if (Status s = gather(stream, send_rows_->as<int32_t>(), copies, plan.send_offsets + N_, rows_values_->ptr,
+                          send_values_->ptr, value_bytes_);
+        !s.ok())
+      return s;
+    if (scale_bytes_ > 0)
+      if (Status s = gather(stream, send_rows_->as<int32_t>(), copies, plan.send_offsets + N_, rows_scales_->ptr,
+                            send_scales_->ptr, scale_bytes_);
+          !s.ok())
+        return s;
+
+    // 4. counts: every rank learns every rank's row and entry counts (the capacity check needs them all).
+    int32_t* host = host_offsets_->get();
+    if (cudaError_t e = cudaMemcpyAsync(host, send_offsets_->ptr, 4 * (N_ + 1), cudaMemcpyDeviceToHost, stream);
+        e != cudaSuccess)
+      return Status::failure(cuda_message("reading the send offsets", e));
+    if (cudaError_t e = cudaMemcpyAsync(host + N_ + 1, send_entry_offsets_->ptr, 4 * (N_ + 1), cudaMemcpyDeviceToHost,
+                                        stream);
+        e != cudaSuccess)
+      return Status::failure(cuda_message("reading the send offsets", e));
+    if (cudaError_t e = cudaStreamSynchronize(stream); e != cudaSuccess)
+      return Status::failure(cuda_message("waiting for the send offsets", e));
+    const int m = 2 * N_;  // per destination: this rank's rows for 0..N-1, then its entries for 0..N-1
+    for (int d = 0; d < N_; ++d)
+      for (int x = 0; x < N_; ++x) {
+        counts_out_[size_t(d) * m + x] = host[x + 1] - host[x];
+        counts_out_[size_t(d) * m + N_ + x] = host[N_ + 1 + x + 1] - host[N_ + 1 + x];
+      }
+    if (Status s = comm_.exchange_counts(counts_out_.data(), counts_in_.data(), m); !s.ok()) return s;
+    // counts_in_[src * m + x]: rows (entries at N + x) that src sends to rank x.
+    std::vector<int64_t> rows_matrix(size_t(N_) * N_);
+    for (int src = 0; src < N_; ++src)
+      for (int x = 0; x < N_; ++x) rows_matrix[size_t(src) * N_ + x] = counts_in_[size_t(src) * m + x];
+    try {
+      ep::check_receive_capacity(rows_matrix, N_, capacity_);
+    } catch (const Error& e) {
+      return Status::failure(detail::concat(fn, ": ", e.what()));
+    }
+    std::vector<int64_t> send_rows(N_ + 1), recv_rows(N_ + 1), send_entries(N_ + 1), recv_entries(N_ + 1);
+    for (int x = 0; x < N_; ++x) {
+      send_rows[x + 1] = host[x + 1];
+      send_entries[x + 1] = host[N_ + 1 + x + 1];
+      recv_rows[x + 1] = recv_rows[x] + counts_in_[size_t(x) * m + rank_];
+      recv_entries[x + 1] = recv_entries[x] + counts_in_[size_t(x) * m + N_ + rank_];
+    }
+    const int64_t R = recv_rows[N_], V = recv_entries[N_];
+    auto scaled = [](const std::vector<int64_t>& v, int64_t bytes) {
+      std::vector<int64_t> out(v.size());
+      for (size_t i = 0; i < v.size(); ++i) out[i] = v[i] * bytes;
+      return out;
+    };
+
+    // 4. dispatch: values, scales and local ids in one group
+    const std::vector<int64_t> sv = scaled(send_rows, value_bytes_), rv = scaled(recv_rows, value_bytes_),
+                               ss = scaled(send_rows, scale_bytes_), rs = scaled(recv_rows, scale_bytes_),
+                               si = scaled(send_rows, 4 * rk), ri = scaled(recv_rows, 4 * rk);
+    Communicator::Exchange dispatch[3] = {
+        {send_values_->ptr, sv.data(), recv_values_->ptr, rv.data()},
+        {send_ids_->ptr, si.data(), recv_ids_->ptr, ri.data()},
+        {send_scales_->ptr, ss.data(), recv_scales_->ptr, rs.data()}};
+    if (Status s = comm_.all_to_all_v(stream, dispatch, scale_bytes_ > 0 ? 3 : 2); !s.ok()) return s;
+
+    // 5. experts on the received rows
+    ExpertsArgs ea;
+    ea.rows.num_rows = R;
+    ea.rows.rows_top_k = rk;
+    ea.rows.format = format_;
+    ea.rows.scale_layout = ScaleLayout::Linear;
+    ea.rows.values = recv_values_->ptr;
+    ea.rows.scales = scale_bytes_ > 0 ? recv_scales_->ptr : nullptr;
+    ea.topk_ids = recv_ids_->as<int32_t>();
+    ea.y = y_recv_->as<float>();
+    ea.workspace = workspace_->ptr;
+    ea.workspace_bytes = workspace_bytes_;
+    if (R > 0)
+      if (Status s = runner_->experts(stream, ea); !s.ok()) return s;
+
+    // 6. combine: the computed entries back to their sources, then into entry order
+    kernels::CompactEntriesArgs ce;
+    ce.ids = recv_ids_->as<int32_t>();
+    ce.num_entries = int(R * rk);
+    ce.list = compact_list_->as<int32_t>();
+    if (cudaError_t e = kernels::launch_compact_entries(ce, stream); e != cudaSuccess)
+      return Status::failure(cuda_message("compact_entries", e));
+    const int64_t y_row = 4 * int64_t(H);
+    if (Status s = gather(stream, compact_list_->as<int32_t>(), int(V), nullptr, y_recv_->ptr, y_send_->ptr, y_row); !s.ok())
+      return s;
+    const std::vector<int64_t> sy = scaled(recv_entries, y_row), ry = scaled(send_entries, y_row);
+    Communicator::Exchange combine = {y_send_->ptr, sy.data(), y_comb_->ptr, ry.data()};
+    if (Status s = comm_.all_to_all_v(stream, &combine, 1); !s.ok()) return s;
+    if (Status s = gather(stream, gather_index_->as<int32_t>(), int(S * rk), nullptr, y_comb_->ptr, y_->ptr, y_row); !s.ok())
+      return s;
+
+    // 7. finalize with the whole layer's ids, weights and biases
+    kernels::FinalizeArgs f;
+    f.y = y_->as<float>();
+    f.topk_weights = a.topk_weights;
+    f.num_tokens = int(T);
+    f.top_k = int(k);
+    f.hidden_size = int(H);
+    f.unit_weights = unit;
+    f.topk_ids = a.topk_ids;
+    f.num_experts = int(p.num_experts);
+    f.skip_foreign_ids = false;
+    f.bias = w2_bias_ ? w2_bias_->as<float>() : nullptr;
+    if (a.output_dtype == OutputDType::F32) f.out_f32 = static_cast<float*>(a.output);
+    else f.out = static_cast<__nv_bfloat16*>(a.output);
+    if (cudaError_t e = kernels::launch_finalize(f, stream); e != cudaSuccess) return Status::failure(cuda_message("finalize", e));
+
+    traffic_.rows_sent = send_rows[N_];
+    traffic_.rows_received = R;
+    traffic_.dispatch_bytes = send_rows[N_] * ep::dispatch_row_bytes(p, rk);
+    traffic_.combine_bytes = V * ep::combine_entry_bytes(p);
+    return Status::success();
+  }
+
+ private:
+  Status gather(cudaStream_t stream, const int32_t* index, int rows, const int32_t* device_count, const void* src,
+                void* dst, int64_t row_bytes) {
+    kernels::GatherRowsArgs g;
+    g.index = index;
+    g.max_rows = rows;
+    g.device_count = device_count;
+    g.src = src;
+    g.dst = dst;
+    g.row_bytes = row_bytes;
+    if (cudaError_t e = kernels::launch_gather_rows(g, stream); e != cudaSuccess)
+      return Status::failure(cuda_message("gather_rows", e));
+    return Status::success();
+  }
+  Communicator& comm_;
+  const int N_, rank_, device_;
+  const MoeProblem local_;
+  int rows_top_k_ = 1;
+  RowFormat format_ = RowFormat::BF16;
+  int64_t value_bytes_ = 0, scale_bytes_ = 0, max_rows_ = 0, capacity_ = 0;
+  std::unique_ptr<MoeRunner> runner_;
+  std::unique_ptr<GpuRouter> router_;
+  std::unique_ptr<DeviceBuffer> rows_values_, rows_scales_, send_offsets_, send_entry_offsets_, send_rows_, send_ids_,
+      gather_index_, send_values_, send_scales_, recv_values_, recv_scales_, recv_ids_, compact_list_, y_recv_, y_send_,
+      y_comb_, y_, input_scale_, w2_bias_, workspace_;
+  size_t workspace_bytes_ = 0;
+  std::unique_ptr<PinnedInts> host_offsets_;
+  std::vector<int64_t> counts_out_, counts_in_;
+  bool prepared_ = false;
+  ExpertParallelTraffic traffic_;
+};
+
+}  // namespace
+
+std::unique_ptr<ExpertParallelLayer> ExpertParallelLayer::create(const MoeProblem& problem, int64_t max_tokens,
+                                                                 Communicator& comm, const ExpertParallelOptions& options,
+                                                                 int device) {
+  problem.validate();
+  check(!problem.routing.skip_foreign_ids, "ExpertParallelLayer::create: the problem is the whole layer's; "
+                                           "skip_foreign_ids belongs to a rank's own problem");
+  check(comm.size() >= 1 && comm.size() <= problem.num_experts, "ExpertParallelLayer::create: the group size must be in [1, E=",
+        problem.num_experts, "], got ", comm.size());
+  check(comm.rank() >= 0 && comm.rank() < comm.size(), "ExpertParallelLayer::create: rank ", comm.rank(),
+        " is outside the group of ", comm.size());
+  check(max_tokens >= 0, "ExpertParallelLayer::create: max_tokens must be >= 0, got ", max_tokens);
+  check(options.receive_capacity_rows >= 0, "ExpertParallelLayer::create: receive_capacity_rows must be >= 0, got ",
+        options.receive_capacity_rows);
+  require_hopper_device(device, "ExpertParallelLayer::create");
+  return std::make_unique<GpuExpertParallelLayer>(problem, max_tokens, comm, options, device);
+}
+
+}  // namespace fp4moe
