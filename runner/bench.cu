@@ -14,6 +14,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <barrier>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -25,6 +26,7 @@
 #include "fp4moe/bench.hpp"
 #include "fp4moe/case_file.hpp"
 #include "fp4moe/checkpoint.hpp"
+#include "fp4moe/expert_parallel.hpp"
 #include "fp4moe/format.hpp"
 #include "fp4moe/reference.hpp"
 #include "fp4moe/runner.hpp"
@@ -603,6 +605,171 @@ std::vector<TuneEntry> tune_problem(const std::string& label, const MoeProblem& 
   runner->force_tactic(std::nullopt);
   cudaStreamDestroy(stream);
   return entries;
+}
+
+
+// ---- expert parallelism, all-to-all, on virtual ranks ----------------------------------------------
+
+namespace {
+
+// Rank-local view of a whole layer's canonical weights: experts [begin, end) are contiguous, so the view
+// points into the layer's arrays.
+reference::MoeWeights expert_range_view(const io::MoeCase& c, int64_t begin) {
+  const int64_t E = c.problem.num_experts;
+  auto at = [&](const auto& v) { return v.empty() ? nullptr : v.data() + begin * int64_t(v.size() / size_t(E)); };
+  reference::MoeWeights w;
+  w.w13 = at(c.w13);
+  w.w13_scale = at(c.w13_scale);
+  w.w13_scale_2 = at(c.w13_scale_2);
+  w.w13_input_scale = at(c.w13_input_scale);
+  w.w2 = at(c.w2);
+  w.w2_scale = at(c.w2_scale);
+  w.w2_scale_2 = at(c.w2_scale_2);
+  w.w2_input_scale = at(c.w2_input_scale);
+  w.w13_bias = at(c.w13_bias);
+  w.w2_bias = at(c.w2_bias);
+  return w;
+}
+
+// What the ranks' threads of one bench row share: step s of rank r is stages[s * ranks + r].
+struct EpSteps {
+  int steps = 0;
+  std::barrier<>* sync = nullptr;
+  std::vector<double> step_us;  // written by rank 0
+  std::vector<ExpertParallelStageTimes> stages;
+  std::vector<std::string> errors;  // per rank; a failed rank keeps arriving at the barrier
+};
+
+// One rank's thread: `steps` forwards, each started and ended together with the other ranks'.
+void run_ep_rank_steps(EpSteps& run, ExpertParallelLayer& layer, ExpertParallelArgs args, int rank, int ranks) {
+  std::string& error = run.errors[size_t(rank)];
+  cudaStream_t stream = nullptr;
+  if (cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) != cudaSuccess) error = "cudaStreamCreate failed";
+  for (int i = 0; i < run.steps; ++i) {
+    run.sync->arrive_and_wait();
+    const auto t0 = std::chrono::steady_clock::now();
+    if (error.empty()) {
+      const Status s = layer.forward(stream, args);
+      if (!s.ok()) error = s.message;
+      else if (cudaStreamSynchronize(stream) != cudaSuccess) error = "the forward's stream failed";
+    }
+    run.sync->arrive_and_wait();  // the step ends when every rank's forward has
+    if (rank == 0) run.step_us[size_t(i)] = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
+    if (error.empty())
+      if (Status s = layer.last_stage_times(run.stages[size_t(i) * size_t(ranks) + size_t(rank)]); !s.ok()) error = s.message;
+  }
+  if (stream) cudaStreamDestroy(stream);
+}
+
+}  // namespace
+
+std::vector<EpAllToAllRow> bench_ep_all2all(const std::string& model, const MoeProblem& p,
+                                            const std::vector<int64_t>& tokens, int ranks, const BenchOptions& opt,
+                                            bool progress) {
+  check(ranks >= 1 && ranks <= p.num_experts, "bench --parallel ep_all2all: --ep-size must be in [1, E = ", p.num_experts,
+        "], got ", ranks);
+  check(p.routing.method != RoutingMethod::Precomputed,
+        "bench --parallel ep_all2all: every rank routes random logits, which a precomputed problem cannot");
+  check(opt.reps >= 20, "bench: reps must be >= 20, got ", opt.reps);
+  check(!tokens.empty(), "bench: no token counts given");
+  for (int64_t t : tokens) check(t >= 1, "bench: token counts must be >= 1, got ", t);
+  const int64_t max_t = *std::max_element(tokens.begin(), tokens.end());
+  const int64_t H = p.hidden, E = p.num_experts, k = p.top_k();
+  if (progress) std::fprintf(stderr, "bench %s: preparing random weights for %d virtual ranks ...\n", model.c_str(), ranks);
+  io::MoeCase whole = io::make_random_packed_case(p, 0, opt.seed);
+  if (opt.expert_biases) io::add_random_expert_biases(whole, opt.seed);
+  std::vector<std::unique_ptr<Communicator>> comms = make_virtual_ranks(ranks);
+  std::vector<std::unique_ptr<ExpertParallelLayer>> layers;
+  std::vector<std::unique_ptr<DeviceBuffer>> hidden, logits, bias, ids, wts, out;
+  for (int r = 0; r < ranks; ++r) {
+    ExpertParallelOptions lo;
+    lo.time_stages = true;
+    layers.push_back(ExpertParallelLayer::create(p, max_t, *comms[r], lo));
+    ExpertParallelWeights w;
+    w.local = expert_range_view(whole, io::expert_range(E, r, ranks).first);
+    w.layer_w13_input_scale = whole.w13_input_scale.empty() ? nullptr : whole.w13_input_scale.data();
+    w.layer_w2_bias = whole.w2_bias.empty() ? nullptr : whole.w2_bias.data();
+    if (Status s = layers.back()->prepare_weights(w); !s.ok()) throw Error(s.message);
+    hidden.push_back(std::make_unique<DeviceBuffer>(size_t(max_t * H * 2), "bench hidden"));
+    logits.push_back(std::make_unique<DeviceBuffer>(size_t(max_t * E * 4), "bench logits"));
+    bias.push_back(std::make_unique<DeviceBuffer>(size_t(E * 4), "bench bias"));
+    ids.push_back(std::make_unique<DeviceBuffer>(size_t(max_t * k * 4), "bench ids"));
+    wts.push_back(std::make_unique<DeviceBuffer>(size_t(max_t * k * 4), "bench weights"));
+    out.push_back(std::make_unique<DeviceBuffer>(size_t(max_t * H * 2), "bench output"));
+  }
+  std::vector<EpAllToAllRow> rows;
+  for (int64_t T : tokens) {
+    std::vector<LayerInputs> in;
+    for (int r = 0; r < ranks; ++r) {  // every rank its own tokens
+      in.push_back(random_inputs(p, T, opt.seed + 1000 * uint64_t(r + 1)));
+      ck(cudaMemcpy(hidden[r]->ptr, in[r].hidden.data(), in[r].hidden.size() * 2, cudaMemcpyHostToDevice), "upload hidden");
+      ck(cudaMemcpy(logits[r]->ptr, in[r].logits.data(), in[r].logits.size() * 4, cudaMemcpyHostToDevice), "upload logits");
+      if (!in[r].bias.empty())
+        ck(cudaMemcpy(bias[r]->ptr, in[r].bias.data(), in[r].bias.size() * 4, cudaMemcpyHostToDevice), "upload bias");
+    }
+    const int steps = opt.warmup + opt.reps;
+    EpSteps run;
+    run.steps = steps;
+    run.step_us.assign(size_t(steps), 0.0);
+    run.stages.assign(size_t(steps) * size_t(ranks), ExpertParallelStageTimes{});
+    run.errors.assign(size_t(ranks), std::string());
+    std::barrier sync(ranks);
+    run.sync = &sync;
+    std::vector<std::thread> threads;
+    for (int r = 0; r < ranks; ++r) {
+      ExpertParallelArgs a;
+      a.num_tokens = T;
+      a.hidden = hidden[r]->ptr;
+      a.router_logits = logits[r]->ptr;
+      a.routing_bias = in[r].bias.empty() ? nullptr : bias[r]->as<float>();
+      a.topk_ids = ids[r]->as<int32_t>();
+      a.topk_weights = wts[r]->as<float>();
+      a.output = out[r]->ptr;
+      threads.emplace_back(run_ep_rank_steps, std::ref(run), std::ref(*layers[r]), a, r, ranks);
+    }
+    for (std::thread& t : threads) t.join();
+    const std::vector<std::string>& errors = run.errors;
+    const std::vector<double>& step_us = run.step_us;
+    for (int r = 0; r < ranks; ++r) check(errors[r].empty(), "bench --parallel ep_all2all: rank ", r, ": ", errors[r]);
+    if (opt.refcheck) refcheck(p, whole.weights(), in[0], T, ids[0]->ptr, out[0]->ptr);  // rank 0 is the whole layer's
+    std::vector<double> timed(step_us.begin() + opt.warmup, step_us.end());
+    std::sort(timed.begin(), timed.end());
+    EpAllToAllRow row;
+    row.model = model;
+    row.mode = p.act_quant;
+    row.ranks = ranks;
+    row.tokens_per_rank = T;
+    row.median_us = timed[timed.size() / 2];
+    row.min_us = timed.front();
+    auto stage_median = [&](double ExpertParallelStageTimes::*field) {
+      std::vector<double> slowest;
+      for (int i = opt.warmup; i < steps; ++i) {
+        double m = 0;
+        for (int r = 0; r < ranks; ++r) m = std::max(m, run.stages[size_t(i) * size_t(ranks) + size_t(r)].*field);
+        slowest.push_back(m);
+      }
+      std::sort(slowest.begin(), slowest.end());
+      return slowest[slowest.size() / 2];
+    };
+    row.dispatch_us = stage_median(&ExpertParallelStageTimes::dispatch_us);
+    row.experts_us = stage_median(&ExpertParallelStageTimes::experts_us);
+    row.combine_us = stage_median(&ExpertParallelStageTimes::combine_us);
+    row.exchange_us = stage_median(&ExpertParallelStageTimes::exchange_us);
+    for (int r = 0; r < ranks; ++r) {
+      const ExpertParallelTraffic t = layers[r]->last_traffic();
+      row.rows_sent += t.rows_sent;
+      row.dispatch_bytes += t.dispatch_bytes;
+      row.combine_bytes += t.combine_bytes;
+    }
+    const int rows_top_k = layers[0]->rows_top_k();
+    row.row_bytes_expected = (p.act_quant == ActQuant::W4A16 ? 2 * H : H / 2 + H / 16) + 4 * rows_top_k;
+    rows.push_back(row);
+    if (progress)
+      std::fprintf(stderr, "bench %s ep_all2all N=%d T=%lld/rank: %.1f us per step (dispatch %.1f, experts %.1f, "
+                   "combine %.1f, exchanges %.1f us)\n", model.c_str(), ranks, static_cast<long long>(T), row.median_us,
+                   row.dispatch_us, row.experts_us, row.combine_us, row.exchange_us);
+  }
+  return rows;
 }
 
 }  // namespace fp4moe

@@ -54,6 +54,45 @@ class PinnedInts {
   int32_t* ptr_ = nullptr;
 };
 
+// The stage boundaries of one forward (ExpertParallelOptions::time_stages).
+enum StageEvent { kStart, kPacked, kDispatched, kExpertsDone, kCompacted, kCombined, kFinalized, kStageEvents };
+
+class StageEvents {
+ public:
+  StageEvents() {
+    for (cudaEvent_t& e : events_)
+      throw_on_cuda_error(cudaEventCreate(&e), "ExpertParallelLayer", "cudaEventCreate");
+  }
+  ~StageEvents() {
+    for (cudaEvent_t e : events_)
+      if (e) cudaEventDestroy(e);
+  }
+  StageEvents(const StageEvents&) = delete;
+  StageEvents& operator=(const StageEvents&) = delete;
+  cudaError_t record(StageEvent s, cudaStream_t stream) { return cudaEventRecord(events_[s], stream); }
+  Status times(ExpertParallelStageTimes& t) const {
+    if (cudaError_t e = cudaEventSynchronize(events_[kFinalized]); e != cudaSuccess)
+      return Status::failure(detail::concat("ExpertParallelLayer::last_stage_times: ", cudaGetErrorName(e)));
+    float ms[kStageEvents] = {};
+    for (int i = 1; i < kStageEvents; ++i)
+      if (cudaError_t e = cudaEventElapsedTime(&ms[i], events_[i - 1], events_[i]); e != cudaSuccess)
+        return Status::failure(detail::concat("ExpertParallelLayer::last_stage_times: ", cudaGetErrorName(e)));
+    t.dispatch_us = 1e3 * ms[kPacked];
+    t.exchange_us = 1e3 * (ms[kDispatched] + ms[kCombined]);
+    t.experts_us = 1e3 * ms[kExpertsDone];
+    t.combine_us = 1e3 * (ms[kCompacted] + ms[kFinalized]);
+    return Status::success();
+  }
+
+ private:
+  cudaEvent_t events_[kStageEvents] = {};
+};
+
+// out[i] = v[i] * bytes (exchange offsets in bytes from offsets in rows or entries).
+void scale_offsets(const std::vector<int64_t>& v, int64_t bytes, std::vector<int64_t>& out) {
+  for (size_t i = 0; i < v.size(); ++i) out[i] = v[i] * bytes;
+}
+
 MoeProblem rank_problem(const MoeProblem& p, int rank, int size) {
   MoeProblem local = p;
   const auto [begin, end] = io::expert_range(p.num_experts, rank, size);
@@ -114,10 +153,20 @@ class GpuExpertParallelLayer final : public ExpertParallelLayer {
     host_offsets_ = std::make_unique<PinnedInts>(size_t(2 * (N_ + 1)));
     counts_out_.assign(size_t(N_) * 2 * N_, 0);
     counts_in_.assign(size_t(N_) * 2 * N_, 0);
+    rows_matrix_.assign(size_t(N_) * N_, 0);
+    for (std::vector<int64_t>* v : {&send_rows_h_, &recv_rows_h_, &send_entries_h_, &recv_entries_h_})
+      v->assign(size_t(N_) + 1, 0);
+    for (std::vector<int64_t>& v : byte_offsets_) v.assign(size_t(N_) + 1, 0);
+    if (options.time_stages) events_ = std::make_unique<StageEvents>();
   }
 
   const MoeProblem& local_problem() const override { return local_; }
   ExpertParallelTraffic last_traffic() const override { return traffic_; }
+  Status last_stage_times(ExpertParallelStageTimes& times) const override {
+    if (!events_) return Status::failure("ExpertParallelLayer::last_stage_times: the layer was created without time_stages");
+    if (!timed_) return Status::failure("ExpertParallelLayer::last_stage_times: no forward has run");
+    return events_->times(times);
+  }
   int rows_top_k() const override { return rows_top_k_; }
 
   Status prepare_weights(const ExpertParallelWeights& w, const WeightPrepOptions& options) override {
@@ -192,6 +241,11 @@ class GpuExpertParallelLayer final : public ExpertParallelLayer {
     (void)cudaGetLastError();
     if (cudaError_t e = cudaSetDevice(device_); e != cudaSuccess) return Status::failure(cuda_message("cudaSetDevice", e));
 
+    auto mark = [&](StageEvent ev) {
+      return events_ ? events_->record(ev, stream) : cudaSuccess;
+    };
+    timed_ = false;
+    if (cudaError_t e = mark(kStart); e != cudaSuccess) return Status::failure(cuda_message("cudaEventRecord", e));
     // 1. route
     if (!routed && T > 0)
       if (Status s = router_->route(stream, a.num_tokens, a.router_logits, a.logits_dtype, a.routing_bias, a.topk_ids,
@@ -241,6 +295,8 @@ class GpuExpertParallelLayer final : public ExpertParallelLayer {
           !s.ok())
         return s;
 
+    if (cudaError_t e = mark(kPacked); e != cudaSuccess) return Status::failure(cuda_message("cudaEventRecord", e));
+
     // 4. counts: every rank learns every rank's row and entry counts (the capacity check needs them all).
     int32_t* host = host_offsets_->get();
     if (cudaError_t e = cudaMemcpyAsync(host, send_offsets_->ptr, 4 * (N_ + 1), cudaMemcpyDeviceToHost, stream);
@@ -260,15 +316,15 @@ class GpuExpertParallelLayer final : public ExpertParallelLayer {
       }
     if (Status s = comm_.exchange_counts(counts_out_.data(), counts_in_.data(), m); !s.ok()) return s;
     // counts_in_[src * m + x]: rows (entries at N + x) that src sends to rank x.
-    std::vector<int64_t> rows_matrix(size_t(N_) * N_);
     for (int src = 0; src < N_; ++src)
-      for (int x = 0; x < N_; ++x) rows_matrix[size_t(src) * N_ + x] = counts_in_[size_t(src) * m + x];
+      for (int x = 0; x < N_; ++x) rows_matrix_[size_t(src) * N_ + x] = counts_in_[size_t(src) * m + x];
     try {
-      ep::check_receive_capacity(rows_matrix, N_, capacity_);
+      ep::check_receive_capacity(rows_matrix_, N_, capacity_);
     } catch (const Error& e) {
       return Status::failure(detail::concat(fn, ": ", e.what()));
     }
-    std::vector<int64_t> send_rows(N_ + 1), recv_rows(N_ + 1), send_entries(N_ + 1), recv_entries(N_ + 1);
+    std::vector<int64_t>&send_rows = send_rows_h_, &recv_rows = recv_rows_h_, &send_entries = send_entries_h_,
+                        &recv_entries = recv_entries_h_;
     for (int x = 0; x < N_; ++x) {
       send_rows[x + 1] = host[x + 1];
       send_entries[x + 1] = host[N_ + 1 + x + 1];
@@ -276,21 +332,22 @@ class GpuExpertParallelLayer final : public ExpertParallelLayer {
       recv_entries[x + 1] = recv_entries[x] + counts_in_[size_t(x) * m + N_ + rank_];
     }
     const int64_t R = recv_rows[N_], V = recv_entries[N_];
-    auto scaled = [](const std::vector<int64_t>& v, int64_t bytes) {
-      std::vector<int64_t> out(v.size());
-      for (size_t i = 0; i < v.size(); ++i) out[i] = v[i] * bytes;
-      return out;
-    };
 
     // 4. dispatch: values, scales and local ids in one group
-    const std::vector<int64_t> sv = scaled(send_rows, value_bytes_), rv = scaled(recv_rows, value_bytes_),
-                               ss = scaled(send_rows, scale_bytes_), rs = scaled(recv_rows, scale_bytes_),
-                               si = scaled(send_rows, 4 * rk), ri = scaled(recv_rows, 4 * rk);
+    std::vector<int64_t>&sv = byte_offsets_[0], &rv = byte_offsets_[1], &ss = byte_offsets_[2], &rs = byte_offsets_[3],
+                        &si = byte_offsets_[4], &ri = byte_offsets_[5], &sy = byte_offsets_[6], &ry = byte_offsets_[7];
+    scale_offsets(send_rows, value_bytes_, sv);
+    scale_offsets(recv_rows, value_bytes_, rv);
+    scale_offsets(send_rows, scale_bytes_, ss);
+    scale_offsets(recv_rows, scale_bytes_, rs);
+    scale_offsets(send_rows, 4 * rk, si);
+    scale_offsets(recv_rows, 4 * rk, ri);
     Communicator::Exchange dispatch[3] = {
         {send_values_->ptr, sv.data(), recv_values_->ptr, rv.data()},
         {send_ids_->ptr, si.data(), recv_ids_->ptr, ri.data()},
         {send_scales_->ptr, ss.data(), recv_scales_->ptr, rs.data()}};
     if (Status s = comm_.all_to_all_v(stream, dispatch, scale_bytes_ > 0 ? 3 : 2); !s.ok()) return s;
+    if (cudaError_t e = mark(kDispatched); e != cudaSuccess) return Status::failure(cuda_message("cudaEventRecord", e));
 
     // 5. experts on the received rows
     ExpertsArgs ea;
@@ -306,6 +363,7 @@ class GpuExpertParallelLayer final : public ExpertParallelLayer {
     ea.workspace_bytes = workspace_bytes_;
     if (R > 0)
       if (Status s = runner_->experts(stream, ea); !s.ok()) return s;
+    if (cudaError_t e = mark(kExpertsDone); e != cudaSuccess) return Status::failure(cuda_message("cudaEventRecord", e));
 
     // 6. combine: the computed entries back to their sources, then into entry order
     kernels::CompactEntriesArgs ce;
@@ -317,9 +375,12 @@ class GpuExpertParallelLayer final : public ExpertParallelLayer {
     const int64_t y_row = 4 * int64_t(H);
     if (Status s = gather(stream, compact_list_->as<int32_t>(), int(V), nullptr, y_recv_->ptr, y_send_->ptr, y_row); !s.ok())
       return s;
-    const std::vector<int64_t> sy = scaled(recv_entries, y_row), ry = scaled(send_entries, y_row);
+    if (cudaError_t e = mark(kCompacted); e != cudaSuccess) return Status::failure(cuda_message("cudaEventRecord", e));
+    scale_offsets(recv_entries, y_row, sy);
+    scale_offsets(send_entries, y_row, ry);
     Communicator::Exchange combine = {y_send_->ptr, sy.data(), y_comb_->ptr, ry.data()};
     if (Status s = comm_.all_to_all_v(stream, &combine, 1); !s.ok()) return s;
+    if (cudaError_t e = mark(kCombined); e != cudaSuccess) return Status::failure(cuda_message("cudaEventRecord", e));
     if (Status s = gather(stream, gather_index_->as<int32_t>(), int(S * rk), nullptr, y_comb_->ptr, y_->ptr, y_row); !s.ok())
       return s;
 
@@ -338,6 +399,8 @@ class GpuExpertParallelLayer final : public ExpertParallelLayer {
     if (a.output_dtype == OutputDType::F32) f.out_f32 = static_cast<float*>(a.output);
     else f.out = static_cast<__nv_bfloat16*>(a.output);
     if (cudaError_t e = kernels::launch_finalize(f, stream); e != cudaSuccess) return Status::failure(cuda_message("finalize", e));
+    if (cudaError_t e = mark(kFinalized); e != cudaSuccess) return Status::failure(cuda_message("cudaEventRecord", e));
+    timed_ = events_ != nullptr;
 
     traffic_.rows_sent = send_rows[N_];
     traffic_.rows_received = R;
@@ -373,7 +436,13 @@ class GpuExpertParallelLayer final : public ExpertParallelLayer {
       y_comb_, y_, input_scale_, w2_bias_, workspace_;
   size_t workspace_bytes_ = 0;
   std::unique_ptr<PinnedInts> host_offsets_;
-  std::vector<int64_t> counts_out_, counts_in_;
+  // Host tables of the count exchange, sized at create (no host allocation in forward): counts_in_
+  // [src * 2N + x], rows_matrix_ [src * N + dst], the row/entry offsets [N + 1] and their byte offsets.
+  std::vector<int64_t> counts_out_, counts_in_, rows_matrix_, send_rows_h_, recv_rows_h_, send_entries_h_,
+      recv_entries_h_;
+  std::vector<int64_t> byte_offsets_[8];
+  std::unique_ptr<StageEvents> events_;
+  bool timed_ = false;
   bool prepared_ = false;
   ExpertParallelTraffic traffic_;
 };

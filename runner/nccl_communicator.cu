@@ -11,6 +11,7 @@
 #include <dlfcn.h>
 #include <nccl.h>
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -31,6 +32,8 @@ struct NcclApi {
   ncclResult_t (*user_rank)(const ncclComm_t, int*) = nullptr;
   ncclResult_t (*cu_device)(const ncclComm_t, int*) = nullptr;
   ncclResult_t (*init_all)(ncclComm_t*, int, const int*) = nullptr;
+  ncclResult_t (*unique_id)(ncclUniqueId*) = nullptr;
+  ncclResult_t (*init_rank)(ncclComm_t*, int, ncclUniqueId, int) = nullptr;
   ncclResult_t (*destroy)(ncclComm_t) = nullptr;
   const char* (*error_string)(ncclResult_t) = nullptr;
 
@@ -52,6 +55,8 @@ struct NcclApi {
     sym(user_rank, "ncclCommUserRank");
     sym(cu_device, "ncclCommCuDevice");
     sym(init_all, "ncclCommInitAll");
+    sym(unique_id, "ncclGetUniqueId");
+    sym(init_rank, "ncclCommInitRank");
     sym(destroy, "ncclCommDestroy");
     sym(error_string, "ncclGetErrorString");
   }
@@ -171,6 +176,32 @@ class NcclCommunicator final : public Communicator {
 
 std::unique_ptr<Communicator> make_nccl_communicator(ncclComm* comm) {
   return std::make_unique<NcclCommunicator>(comm, /*owned=*/false);
+}
+
+std::string nccl_unique_id() {
+  const NcclApi& api = require_nccl("nccl_unique_id");
+  ncclUniqueId id;
+  if (ncclResult_t r = api.unique_id(&id); r != ncclSuccess)
+    throw Error(detail::concat("nccl_unique_id: ncclGetUniqueId failed: ", api.error_string(r)));
+  return std::string(id.internal, sizeof(id.internal));
+}
+
+std::unique_ptr<Communicator> make_nccl_communicator(const std::string& unique_id, int rank, int size, int device) {
+  const NcclApi& api = require_nccl("make_nccl_communicator");
+  ncclUniqueId id;
+  check(unique_id.size() == sizeof(id.internal), "make_nccl_communicator: the unique id must be ", sizeof(id.internal),
+        " bytes (nccl_unique_id), got ", unique_id.size());
+  check(size >= 1 && rank >= 0 && rank < size, "make_nccl_communicator: rank ", rank, " is outside a group of ", size);
+  int count = 0;
+  check(cudaGetDeviceCount(&count) == cudaSuccess && device >= 0 && device < count, "make_nccl_communicator: device ",
+        device, " is not one of this machine's ", count, " GPUs");
+  std::copy(unique_id.begin(), unique_id.end(), id.internal);
+  check(cudaSetDevice(device) == cudaSuccess, "make_nccl_communicator: cudaSetDevice(", device, ") failed");
+  ncclComm_t comm = nullptr;
+  if (ncclResult_t r = api.init_rank(&comm, size, id, rank); r != ncclSuccess)
+    throw Error(detail::concat("make_nccl_communicator: ncclCommInitRank (rank ", rank, " of ", size, ") failed: ",
+                               api.error_string(r)));
+  return std::make_unique<NcclCommunicator>(comm, /*owned=*/true);
 }
 
 std::vector<std::unique_ptr<Communicator>> make_nccl_ranks(const std::vector<int>& devices) {

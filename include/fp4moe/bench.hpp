@@ -146,6 +146,30 @@ std::vector<BenchRow> bench_weights(const std::string& label, const MoeProblem& 
                                     const reference::MoeWeights& weights, const std::vector<int64_t>& tokens,
                                     const Ceilings& ceilings, const BenchOptions& options, bool progress = true);
 
+// Expert parallelism with all-to-all dispatch and combine (ExpertParallelLayer) on `ranks` virtual ranks
+// of this GPU (make_virtual_ranks): every rank routes T tokens of random logits of its own, and the
+// ranks' forwards run on their own host threads and streams. A row's time is the host wall time of one
+// step (every rank's forward, stream synchronised) with every rank sharing this one GPU and device
+// copies standing in for the wire: the work of the whole group, not of one rank on a GPU of its own;
+// no L2 flush. Traffic from the ranks' last forward. options.refcheck checks rank 0's first tokens.
+struct EpAllToAllRow {
+  std::string model;
+  ActQuant mode = ActQuant::W4A16;
+  int ranks = 1;
+  int64_t tokens_per_rank = 0;
+  double median_us = 0, min_us = 0;  // a step: every rank's forward, host wall time
+  // Medians over the steps of the slowest rank's device time per stage (ExpertParallelStageTimes):
+  // the exchanges are excluded from these three and given apart in exchange_us.
+  double dispatch_us = 0, experts_us = 0, combine_us = 0, exchange_us = 0;
+  int64_t rows_sent = 0;           // row copies over all ranks (to themselves included)
+  int64_t dispatch_bytes = 0;      // their wire bytes: values, scales and local ids
+  int64_t combine_bytes = 0;       // fp32 y of the computed entries, sent back
+  int64_t row_bytes_expected = 0;  // H/2 + H/16 + 4 * rows_top_k (NVFP4 rows) or 2H + 4 * rows_top_k (bf16)
+};
+std::vector<EpAllToAllRow> bench_ep_all2all(const std::string& model, const MoeProblem& problem,
+                                            const std::vector<int64_t>& tokens, int ranks,
+                                            const BenchOptions& options, bool progress = true);
+
 // ---- tuning (`fp4moe tune`) ----
 struct TuneProfileOptions {
   int64_t max_tokens = 16384;  // buckets whose representative T is <= this (bucket 0, T = 0, has no work)

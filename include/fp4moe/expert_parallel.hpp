@@ -25,6 +25,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "fp4moe/error.hpp"
@@ -75,6 +76,12 @@ std::vector<std::unique_ptr<Communicator>> make_virtual_ranks(int size, int devi
 // stream and are read back on the host; the exchanges are one ncclSend/ncclRecv group on the caller's
 // stream.
 std::unique_ptr<Communicator> make_nccl_communicator(ncclComm* comm);
+// The bootstrap of a group whose processes share no ncclComm_t (torch.distributed's own is not
+// reachable from Python): one rank makes the id (ncclGetUniqueId, 128 bytes), the caller's group
+// broadcasts it, and every rank calls make_nccl_communicator with it (ncclCommInitRank on `device`,
+// collective: returns once all `size` ranks have joined). The communicator owns its ncclComm_t.
+std::string nccl_unique_id();
+std::unique_ptr<Communicator> make_nccl_communicator(const std::string& unique_id, int rank, int size, int device);
 // One process driving every GPU of `devices` (ncclCommInitAll): communicator r on devices[r], owning its
 // NCCL communicator. Each rank's calls come from its own host thread.
 std::vector<std::unique_ptr<Communicator>> make_nccl_ranks(const std::vector<int>& devices);
@@ -94,6 +101,8 @@ struct ExpertParallelOptions {
   // Every rank's experts run this tactic (tests: the single-GPU layer's, for identical bits); nullopt:
   // each rank's selector for its own load.
   std::optional<MoeTactic> tactic;
+  // Record events between the stages of every forward (last_stage_times); off: no events.
+  bool time_stages = false;
 };
 
 // Device pointers, row-major, of this rank's tokens.
@@ -117,6 +126,16 @@ struct ExpertParallelTraffic {
   int64_t combine_bytes = 0;   // fp32 y rows sent back (rows_received * rows_top_k * 4H)
 };
 
+// Device time of the last forward's stages on this rank, from events on its stream (time_stages).
+// The exchanges (the count exchange, the dispatch and combine all-to-alls, and the waits for the other
+// ranks that they include) are in exchange_us and in none of the others.
+struct ExpertParallelStageTimes {
+  double dispatch_us = 0;  // route, prepare (quantize), plan and pack
+  double experts_us = 0;   // the local experts on the received rows
+  double combine_us = 0;   // compact the computed entries, gather them into slot order, finalize
+  double exchange_us = 0;  // from the end of the pack to the experts' start, and the combine all-to-all
+};
+
 class ExpertParallelLayer {
  public:
   // problem: the whole layer (E experts, routing from logits or precomputed; not skip_foreign_ids).
@@ -130,6 +149,9 @@ class ExpertParallelLayer {
   // reported on every rank (the capacity check) or is a CUDA error.
   virtual Status forward(CUstream_st* stream, const ExpertParallelArgs& args) = 0;
   virtual ExpertParallelTraffic last_traffic() const = 0;
+  // Waits for the last forward's events; an error when the layer was created without time_stages or
+  // no forward has run.
+  virtual Status last_stage_times(ExpertParallelStageTimes& times) const = 0;
   // Ids per dispatched row: k (one row per token) or 1 (one per entry: per-expert input scales, or the
   // router weight on the input).
   virtual int rows_top_k() const = 0;

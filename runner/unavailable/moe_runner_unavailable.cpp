@@ -25,6 +25,12 @@ std::vector<std::unique_ptr<Communicator>> make_virtual_ranks(int, int, double) 
 
 std::unique_ptr<Communicator> make_nccl_communicator(ncclComm*) { unavailable("make_nccl_communicator"); }
 
+std::string nccl_unique_id() { unavailable("nccl_unique_id"); }
+
+std::unique_ptr<Communicator> make_nccl_communicator(const std::string&, int, int, int) {
+  unavailable("make_nccl_communicator");
+}
+
 std::vector<std::unique_ptr<Communicator>> make_nccl_ranks(const std::vector<int>&) { unavailable("make_nccl_ranks"); }
 
 std::unique_ptr<ExpertParallelLayer> ExpertParallelLayer::create(const MoeProblem& problem, int64_t,

@@ -24,6 +24,11 @@ std::vector<BenchRow> bench_weights(const std::string&, const MoeProblem&, const
   unavailable("bench");
 }
 
+std::vector<EpAllToAllRow> bench_ep_all2all(const std::string&, const MoeProblem&, const std::vector<int64_t>&, int,
+                                            const BenchOptions&, bool) {
+  unavailable("bench");
+}
+
 std::vector<TuneEntry> tune_problem(const std::string&, const MoeProblem&, const TuneProfileOptions&) {
   unavailable("tune");
 }

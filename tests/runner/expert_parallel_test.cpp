@@ -379,6 +379,38 @@ TEST(ExpertParallelAllToAll, TrafficIsTheCpuPlans) {
   }
 }
 
+// time_stages: every stage of every rank has a time once a forward has run; without it, an error.
+TEST(ExpertParallelAllToAll, StageTimesOnlyWhenAskedFor) {
+  SKIP_WITHOUT_GPU();
+  const MoeProblem p = small_problem(ActQuant::W4A4Scalar, RoutingMethod::Precomputed);
+  const std::vector<int64_t> tokens = {37, 64};
+  const io::MoeCase c = make_case(p, tokens, 6500);
+  ExpertParallelOptions timed;
+  timed.time_stages = true;
+  VirtualRun run(c, tokens, timed);
+  ExpertParallelStageTimes before;
+  const Status none_yet = run.ranks[0].layer->last_stage_times(before);
+  ASSERT_FALSE(none_yet.ok());
+  EXPECT_NE(none_yet.message.find("no forward has run"), std::string::npos) << none_yet.message;
+  run.forward();
+  for (const Rank& r : run.ranks) {
+    ASSERT_TRUE(r.status.ok()) << r.status.message;
+    ExpertParallelStageTimes t;
+    const Status s = r.layer->last_stage_times(t);
+    ASSERT_TRUE(s.ok()) << s.message;
+    EXPECT_GT(t.dispatch_us, 0.0);
+    EXPECT_GT(t.experts_us, 0.0);
+    EXPECT_GT(t.combine_us, 0.0);
+    EXPECT_GE(t.exchange_us, 0.0);
+  }
+  VirtualRun plain(c, tokens, {});
+  plain.forward();
+  ExpertParallelStageTimes t;
+  const Status s = plain.ranks[0].layer->last_stage_times(t);
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.message.find("without time_stages"), std::string::npos) << s.message;
+}
+
 // A forward that would overflow a rank's receive buffers fails on every rank, naming that rank, before
 // any row is sent; the group stays usable.
 TEST(ExpertParallelAllToAll, ReceiveCapacityOverflowFailsOnEveryRank) {

@@ -154,6 +154,19 @@ TEST(Cli, BenchExpertParallelSizeIsCheckedBeforeAnyGpuWork) {
   EXPECT_THAT(ck.output, HasSubstr("--ep-size is for presets"));
 }
 
+TEST(Cli, BenchAllToAllOptionsAreCheckedBeforeAnyGpuWork) {
+  const CliRun j = cli("bench --model tiny --tokens 1 --ep-size 2 --parallel ep_all2all --json out.json");
+  EXPECT_EQ(j.status, 2);
+  EXPECT_THAT(j.output, HasSubstr("--json and --csv are not written for it yet"));
+  const CliRun t = cli("bench --model tiny --tokens 1 --ep-size 2 --parallel ep_all2all --tp-size 2");
+  EXPECT_EQ(t.status, 2);
+  EXPECT_THAT(t.output, HasSubstr("--tp-size is not supported with it"));
+  const CliRun bad = cli("bench --model tiny --tokens 1 --ep-size 2 --parallel all2all");
+  EXPECT_NE(bad.status, 0);
+  EXPECT_THAT(bad.output, HasSubstr("--parallel"));
+  EXPECT_THAT(cli("bench --help").output, HasSubstr("ep_all2all"));
+}
+
 TEST(Cli, BenchHelpNamesBothL2Flushes) {
   const CliRun r = cli("bench --help");
   EXPECT_EQ(r.status, 0);
