@@ -9,6 +9,7 @@
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/pair.h>
+#include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
@@ -23,6 +24,7 @@
 #include "fp4moe/tune.hpp"
 #include "fp4moe/weight_layout.hpp"
 #include "python/dlpack_tensors.hpp"
+#include "python/expert_parallel.hpp"
 #include "python/layer.hpp"
 
 namespace nb = nanobind;
@@ -330,6 +332,30 @@ NB_MODULE(_fp4moe, m) {
            "y"_a.none(), "workspace"_a.none(), "stream"_a, "Stage 3: rows -> y per entry (cuda).")
       .def("finalize", &Layer::finalize, "y"_a.none(), "topk_ids"_a.none(), "topk_weights"_a.none(),
            "output"_a.none(), "stream"_a, "Stage 4: y -> the output, slots summed in order (cuda).");
+
+  nb::class_<PyCommunicator>(m, "Communicator", "A rank of an expert-parallel group (virtual_ranks, nccl_communicator).")
+      .def_prop_ro("rank", &PyCommunicator::rank)
+      .def_prop_ro("size", &PyCommunicator::size);
+  m.def("virtual_ranks", &virtual_ranks, "size"_a, "device_index"_a = -1, "timeout_seconds"_a = 120.0,
+        "size in-process ranks on one GPU (device copies for the exchanges); each rank's calls from its own thread.");
+  m.def("nccl_unique_id", &nccl_unique_id_bytes, "A new NCCL unique id (bytes) for nccl_communicator (NCCL loaded at run time).");
+  m.def("nccl_communicator", &nccl_communicator, "unique_id"_a, "rank"_a, "size"_a, "device_index"_a,
+        "Rank `rank` of an NCCL group of `size` (ncclCommInitRank; returns once every rank has joined).");
+  nb::class_<PyExpertParallelLayer>(m, "ExpertParallelLayer",
+                                    "One rank of the all-to-all expert-parallel layer (cuda): FP4 dispatch, fp32 combine.")
+      .def(nb::init<const MoeProblem&, const nb::dict&, const std::shared_ptr<PyCommunicator>&, int64_t, int, int64_t,
+                    bool>(),
+           "problem"_a, "weights"_a, "communicator"_a, "max_tokens"_a, "device_index"_a,
+           "receive_capacity_rows"_a = 0, "w13_up_gate"_a = false)
+      .def_prop_ro("problem", &PyExpertParallelLayer::problem)
+      .def_prop_ro("local_problem", &PyExpertParallelLayer::local_problem)
+      .def_prop_ro("max_tokens", &PyExpertParallelLayer::max_tokens)
+      .def_prop_ro("rank", &PyExpertParallelLayer::rank)
+      .def_prop_ro("size", &PyExpertParallelLayer::size)
+      .def("last_traffic", &PyExpertParallelLayer::last_traffic, "Rows and wire bytes of this rank's last forward.")
+      .def("forward", &PyExpertParallelLayer::forward, "hidden_states"_a.none(), "router_logits"_a.none(),
+           "routing_bias"_a.none(), "topk_ids"_a.none(), "topk_weights"_a.none(), "output"_a.none(), "stream"_a,
+           "This rank's tokens through the layer (waits for the other ranks; not capturable).");
 
   bind_jax_ffi(m);
 }

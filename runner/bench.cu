@@ -612,25 +612,6 @@ std::vector<TuneEntry> tune_problem(const std::string& label, const MoeProblem& 
 
 namespace {
 
-// Rank-local view of a whole layer's canonical weights: experts [begin, end) are contiguous, so the view
-// points into the layer's arrays.
-reference::MoeWeights expert_range_view(const io::MoeCase& c, int64_t begin) {
-  const int64_t E = c.problem.num_experts;
-  auto at = [&](const auto& v) { return v.empty() ? nullptr : v.data() + begin * int64_t(v.size() / size_t(E)); };
-  reference::MoeWeights w;
-  w.w13 = at(c.w13);
-  w.w13_scale = at(c.w13_scale);
-  w.w13_scale_2 = at(c.w13_scale_2);
-  w.w13_input_scale = at(c.w13_input_scale);
-  w.w2 = at(c.w2);
-  w.w2_scale = at(c.w2_scale);
-  w.w2_scale_2 = at(c.w2_scale_2);
-  w.w2_input_scale = at(c.w2_input_scale);
-  w.w13_bias = at(c.w13_bias);
-  w.w2_bias = at(c.w2_bias);
-  return w;
-}
-
 // What the ranks' threads of one bench row share: step s of rank r is stages[s * ranks + r].
 struct EpSteps {
   int steps = 0;
@@ -685,10 +666,7 @@ std::vector<EpAllToAllRow> bench_ep_all2all(const std::string& model, const MoeP
     ExpertParallelOptions lo;
     lo.time_stages = true;
     layers.push_back(ExpertParallelLayer::create(p, max_t, *comms[r], lo));
-    ExpertParallelWeights w;
-    w.local = expert_range_view(whole, io::expert_range(E, r, ranks).first);
-    w.layer_w13_input_scale = whole.w13_input_scale.empty() ? nullptr : whole.w13_input_scale.data();
-    w.layer_w2_bias = whole.w2_bias.empty() ? nullptr : whole.w2_bias.data();
+    const ExpertParallelWeights w = expert_parallel_weights(p, whole.weights(), r, ranks);
     if (Status s = layers.back()->prepare_weights(w); !s.ok()) throw Error(s.message);
     hidden.push_back(std::make_unique<DeviceBuffer>(size_t(max_t * H * 2), "bench hidden"));
     logits.push_back(std::make_unique<DeviceBuffer>(size_t(max_t * E * 4), "bench logits"));

@@ -5,6 +5,7 @@
 
 #include "fp4moe/checkpoint.hpp"
 #include "fp4moe/error.hpp"
+#include "fp4moe/expert_parallel.hpp"
 #include "fp4moe/format.hpp"
 
 namespace fp4moe::ep {
@@ -112,3 +113,32 @@ void pack_rows(const DispatchPlan& plan, int d, const uint8_t* rows, int64_t row
 }
 
 }  // namespace fp4moe::ep
+
+namespace fp4moe {
+
+ExpertParallelWeights expert_parallel_weights(const MoeProblem& p, const reference::MoeWeights& whole, int rank,
+                                              int size) {
+  check(size >= 1 && size <= p.num_experts && rank >= 0 && rank < size, "expert_parallel_weights: rank ", rank,
+        " of ", size, " ranks (E = ", p.num_experts, ")");
+  const int64_t begin = io::expert_range(p.num_experts, rank, size).first;
+  const int64_t H = p.hidden, I = p.inter, N13 = p.w13_rows();
+  const int64_t block = p.weight_format == WeightFormat::MXFP4 ? 32 : 16;
+  auto at = [begin](const auto* v, int64_t per_expert) { return v ? v + begin * per_expert : nullptr; };
+  ExpertParallelWeights w;
+  reference::MoeWeights& l = w.local;
+  l.w13 = at(whole.w13, N13 * H / 2);
+  l.w13_scale = at(whole.w13_scale, N13 * H / block);
+  l.w13_scale_2 = at(whole.w13_scale_2, 1);
+  l.w13_input_scale = at(whole.w13_input_scale, 1);
+  l.w2 = at(whole.w2, H * I / 2);
+  l.w2_scale = at(whole.w2_scale, H * I / block);
+  l.w2_scale_2 = at(whole.w2_scale_2, 1);
+  l.w2_input_scale = at(whole.w2_input_scale, 1);
+  l.w13_bias = at(whole.w13_bias, N13);
+  l.w2_bias = at(whole.w2_bias, H);
+  w.layer_w13_input_scale = whole.w13_input_scale;
+  w.layer_w2_bias = whole.w2_bias;
+  return w;
+}
+
+}  // namespace fp4moe

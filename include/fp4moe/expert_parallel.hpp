@@ -94,6 +94,11 @@ struct ExpertParallelWeights {
   const float* layer_w2_bias = nullptr;        // [E, H] the whole layer's; required iff local.w2_bias is set
 };
 
+// Rank `rank` of `size`'s ExpertParallelWeights as views into the whole layer's canonical weights
+// (linear scale layout; experts io::expert_range(E, rank, size) are contiguous in every tensor).
+ExpertParallelWeights expert_parallel_weights(const MoeProblem& layer, const reference::MoeWeights& whole, int rank,
+                                              int size);
+
 struct ExpertParallelOptions {
   // Rows one rank can receive in a forward (buffers sized once); a forward in which some rank would get
   // more fails on every rank before any row is sent. 0: size() * max_tokens (a rank may get every row).

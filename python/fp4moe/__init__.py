@@ -23,9 +23,9 @@ bits. PyTorch ops (torch.compile, CUDA graphs) are in fp4moe.torch_ops.
 from . import _fp4moe
 from ._fp4moe import Error, Problem, __version__, cuda_device_available, preset, preset_names, preset_weight_format
 
-__all__ = ["Error", "MoeLayer", "Problem", "Router", "WEIGHT_FORMATS", "__version__", "cuda_device_available",
-           "load_checkpoint_layer", "preset", "preset_names", "preset_weight_format", "random_case",
-           "tensor_parallel_shard"]
+__all__ = ["Error", "ExpertParallelLayer", "MoeLayer", "Problem", "Router", "WEIGHT_FORMATS", "__version__",
+           "cuda_device_available", "load_checkpoint_layer", "nccl_communicator", "nccl_unique_id", "preset",
+           "preset_names", "preset_weight_format", "random_case", "tensor_parallel_shard", "virtual_ranks"]
 
 WEIGHT_FORMATS = ("nvfp4", "mxfp4")
 
@@ -370,6 +370,117 @@ class Router:
         handle = 0 if self._impl.device == "cpu" else _stream_handle(stream, router_logits, self._device_index)
         self._impl.route(router_logits, routing_bias, topk_ids, topk_weights, handle)
         return topk_ids, topk_weights
+
+
+# ---- expert parallelism, all-to-all -----------------------------------------------------------------
+def virtual_ranks(size, *, device="cuda", timeout_seconds=120.0):
+    """`size` communicators of one in-process group on one GPU (the exchanges are device copies): for
+    tests and single-GPU benchmarks of ExpertParallelLayer. Each rank's layer is driven from its own
+    thread; a call that waits longer than timeout_seconds for the other ranks fails, and so does every
+    later call of the group."""
+    kind, index = _parse_device(device)
+    if kind != "cuda":
+        raise Error(f"virtual_ranks: device must be a cuda device, got {device!r}")
+    return _fp4moe.virtual_ranks(_index("virtual_ranks", "size", size), index, float(timeout_seconds))
+
+
+def nccl_unique_id():
+    """A new NCCL unique id (bytes) for nccl_communicator: made on one rank, broadcast by the caller's group."""
+    return _fp4moe.nccl_unique_id()
+
+
+def nccl_communicator(unique_id, rank, size, *, device="cuda"):
+    """Rank `rank` of an NCCL group of `size` ranks on `device` (ncclCommInitRank with unique_id; returns
+    once every rank has joined). NCCL is loaded at run time (the process's copy, e.g. torch's)."""
+    kind, index = _parse_device(device)
+    if kind != "cuda":
+        raise Error(f"nccl_communicator: device must be a cuda device, got {device!r}")
+    if not isinstance(unique_id, bytes):
+        raise Error(f"nccl_communicator: unique_id must be the bytes of nccl_unique_id(), got {_type_name(unique_id)}")
+    return _fp4moe.nccl_communicator(unique_id, int(rank), int(size), index)
+
+
+class ExpertParallelLayer:
+    """One rank of an MoE layer whose experts are split over a group (docs/numerics.md, "All-to-all
+    expert parallelism"): each token is quantized once on its own rank, sent as FP4 rows (bf16 in
+    w4a16) only to the ranks that hold its experts, computed there, and its fp32 results come back and
+    are summed on its rank in slot order. Rank r of N holds experts io::expert_range(E, r, N): the first
+    E mod N ranks one more than the others.
+
+    problem and weights are the whole layer's (host or device arrays; the rank prepares only its own
+    experts from them, in the linear scale layout). communicator: from virtual_ranks or
+    nccl_communicator. receive_capacity_rows: the rows one rank can receive in a forward (0: every
+    rank's max_tokens, so that a rank may receive every row); a forward that would overflow it fails
+    on every rank. A forward waits for the other ranks and reads the send counts back on the host: it
+    is not capturable in a CUDA graph."""
+
+    def __init__(self, problem, weights, communicator, *, device="cuda", max_tokens=8192, receive_capacity_rows=0,
+                 w13_up_gate=False, weight_format=None):
+        _check_problem("ExpertParallelLayer", problem)
+        problem = _with_weight_format("ExpertParallelLayer", problem, weight_format)
+        kind, index = _parse_device(device)
+        if kind != "cuda":
+            raise Error(f"ExpertParallelLayer: device must be a cuda device, got {device!r}")
+        if not isinstance(communicator, _fp4moe.Communicator):
+            raise Error(f"ExpertParallelLayer: communicator must come from fp4moe.virtual_ranks or "
+                        f"fp4moe.nccl_communicator, got {_type_name(communicator)}")
+        max_tokens = _index("ExpertParallelLayer", "max_tokens", max_tokens)
+        capacity = _index("ExpertParallelLayer", "receive_capacity_rows", receive_capacity_rows)
+        host = {name: _to_host(name, value) for name, value in _weights_dict("ExpertParallelLayer", weights).items()}
+        self._impl = _fp4moe.ExpertParallelLayer(problem, host, communicator, max_tokens, index, capacity, w13_up_gate)
+        self._communicator = communicator
+        self._device_index = index
+
+    @property
+    def problem(self):
+        return self._impl.problem
+
+    @property
+    def local_problem(self):
+        """This rank's experts as the problem its runner runs (precomputed routing, foreign ids skipped)."""
+        return self._impl.local_problem
+
+    @property
+    def rank(self):
+        return self._impl.rank
+
+    @property
+    def size(self):
+        return self._impl.size
+
+    @property
+    def max_tokens(self):
+        return self._impl.max_tokens
+
+    def __repr__(self):
+        return (f"fp4moe.ExpertParallelLayer({self.problem.describe()}, rank {self.rank} of {self.size}, "
+                f"device=cuda:{self._device_index}, max_tokens={self.max_tokens})")
+
+    def last_traffic(self):
+        """{rows_sent, rows_received, dispatch_bytes, combine_bytes} of this rank's last forward."""
+        return self._impl.last_traffic()
+
+    def __call__(self, hidden_states, router_logits=None, *, routing_bias=None, topk_ids=None, topk_weights=None,
+                 stream=None, output_dtype="bfloat16"):
+        """This rank's tokens: (output [T, H], topk_ids [T, k], topk_weights [T, k]) as MoeLayer returns
+        them, for the whole layer's routing (ids of the whole layer's experts)."""
+        if output_dtype not in ("bfloat16", "float32"):
+            raise Error(f"ExpertParallelLayer: output_dtype must be 'bfloat16' or 'float32', got {output_dtype!r}")
+        problem = self.problem
+        T = _shape("ExpertParallelLayer", "hidden_states", hidden_states, 2)[0]
+        output = _empty(hidden_states, (T, problem.hidden), "bf16" if output_dtype == "bfloat16" else "float32")
+        if problem.routing_method != "precomputed":
+            if topk_ids is not None or topk_weights is not None:
+                raise Error(f"ExpertParallelLayer: topk_ids / topk_weights are outputs with routing method "
+                            f"{problem.routing_method}; give router_logits only")
+            topk_ids = _empty(hidden_states, (T, problem.top_k), "int32")
+            topk_weights = _empty(hidden_states, (T, problem.top_k), "float32")
+        elif topk_ids is None or topk_weights is None:
+            raise Error("ExpertParallelLayer: routing method precomputed needs topk_ids [T, k] int32 and "
+                        "topk_weights [T, k] float32")
+        handle = _stream_handle(stream, hidden_states, self._device_index)
+        self._impl.forward(hidden_states, router_logits, routing_bias, topk_ids, topk_weights, output, handle)
+        return output, topk_ids, topk_weights
 
 
 def _index(where, name, value):

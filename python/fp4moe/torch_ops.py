@@ -21,7 +21,7 @@ from typing import Optional
 
 import torch
 
-from . import Error, MoeLayer, Router
+from . import Error, ExpertParallelLayer, MoeLayer, Router, _fp4moe, nccl_communicator
 
 _layers = weakref.WeakValueDictionary()  # handle -> MoeLayer or Router
 _handles = itertools.count(1)
@@ -115,12 +115,41 @@ class FusedMoE(torch.nn.Module):
     forward then takes the whole layer's topk_ids / topk_weights, or, with `router_problem` (the whole
     layer's problem: load_checkpoint_layer's "layer_problem"), router_logits that it routes itself
     (torch.ops.fp4moe.route); it maps the ids to this rank's experts (another rank's: -1, adding
-    nothing) and, with `process_group`, all-reduces."""
+    nothing) and, with `process_group`, all-reduces.
+
+    `parallel` names the scheme: "tp" and "ep_allreduce" are the two above (None: inferred from
+    expert_range); "ep_all2all" is the all-to-all expert-parallel layer (fp4moe.ExpertParallelLayer):
+    `problem` and `weights` are the whole layer's (each rank prepares its own experts from them),
+    forward takes this rank's tokens and router_logits (or the whole layer's topk_ids / topk_weights),
+    each token goes as FP4 rows only to the ranks of its experts and its fp32 results come back to be
+    summed here. Its group is `process_group` (torch.distributed, NCCL: a communicator of fp4moe's own
+    is made over it once, its id broadcast through the group) or `communicator` (fp4moe.virtual_ranks,
+    fp4moe.nccl_communicator). It reads the send counts on the host: not capturable in a CUDA graph,
+    and torch.compile runs it outside the graph. "dp_allgather" is not built yet (an error)."""
+
+    PARALLEL = ("tp", "ep_allreduce", "ep_all2all", "dp_allgather")
 
     def __init__(self, problem, weights, *, device="cuda", max_tokens=8192, scales_swizzled=False,
                  w13_up_gate=False, process_group=None, expert_range=None, router_problem=None,
-                 reduce_dtype=torch.float32, weight_format=None):
+                 reduce_dtype=torch.float32, weight_format=None, parallel=None, communicator=None,
+                 receive_capacity_rows=0):
         super().__init__()
+        if parallel is not None and parallel not in self.PARALLEL:
+            raise Error(f"FusedMoE: parallel must be one of {', '.join(self.PARALLEL)} (or None), got {parallel!r}")
+        if parallel == "dp_allgather":
+            raise Error("FusedMoE: parallel='dp_allgather' (all-gather of the FP4 rows, reduce-scatter of the "
+                        "outputs) is not built yet; use 'ep_all2all' or 'tp'")
+        self.all2all = None
+        if parallel == "ep_all2all":
+            self._init_all2all(problem, weights, device, max_tokens, scales_swizzled, w13_up_gate, process_group,
+                               expert_range, router_problem, weight_format, communicator, receive_capacity_rows)
+            return
+        if communicator is not None:
+            raise Error("FusedMoE: communicator is for parallel='ep_all2all'")
+        if parallel == "tp" and (process_group is None or expert_range is not None):
+            raise Error("FusedMoE: parallel='tp' needs process_group (the ranks' shards) and no expert_range")
+        if parallel == "ep_allreduce" and expert_range is None:
+            raise Error("FusedMoE: parallel='ep_allreduce' needs expert_range (and the rank's problem and weights)")
         if reduce_dtype not in (torch.float32, torch.bfloat16):
             raise Error(f"FusedMoE: reduce_dtype must be torch.float32 or torch.bfloat16, got {reduce_dtype}")
         self.process_group = process_group
@@ -143,9 +172,46 @@ class FusedMoE(torch.nn.Module):
         self.router = Router(router_problem, device=device) if router_problem is not None else None
         self.router_handle = register_layer(self.router) if self.router is not None else 0
 
+    def _init_all2all(self, problem, weights, device, max_tokens, scales_swizzled, w13_up_gate, process_group,
+                      expert_range, router_problem, weight_format, communicator, receive_capacity_rows):
+        if (process_group is None) == (communicator is None):
+            raise Error("FusedMoE: parallel='ep_all2all' needs exactly one of process_group (torch.distributed) "
+                        "and communicator (fp4moe.virtual_ranks / nccl_communicator)")
+        if expert_range is not None or router_problem is not None:
+            raise Error("FusedMoE: parallel='ep_all2all' takes the whole layer's problem and weights; expert_range "
+                        "and router_problem are for 'ep_allreduce'")
+        if scales_swizzled:
+            raise Error("FusedMoE: parallel='ep_all2all' takes the linear scale layout; scales_swizzled is not "
+                        "supported with it yet")
+        index = torch.device(device).index
+        if index is None:
+            index = torch.cuda.current_device()
+        self.process_group = process_group
+        if communicator is None:
+            communicator = _group_communicator(process_group, index)
+        self.all2all = ExpertParallelLayer(problem, weights, communicator, device=f"cuda:{index}",
+                                           max_tokens=max_tokens, receive_capacity_rows=receive_capacity_rows,
+                                           w13_up_gate=w13_up_gate, weight_format=weight_format)
+        self.layer = self.all2all
+        self.fp32_partials = False
+        self.expert_range = None
+        self.precomputed = self.all2all.problem.routing_method == "precomputed"
+        self.router = None
+
     @property
     def problem(self):
         return self.layer.problem
+
+    @torch.compiler.disable
+    def _forward_all2all(self, hidden_states, router_logits, routing_bias, topk_ids, topk_weights, return_routing):
+        if self.precomputed and (topk_ids is None or topk_weights is None):
+            raise Error("FusedMoE: routing method precomputed needs topk_ids and topk_weights")
+        if not self.precomputed and router_logits is None:
+            raise Error(f"FusedMoE: router_logits is required (routing method {self.problem.routing_method})")
+        output, ids, weights = self.all2all(hidden_states, router_logits, routing_bias=routing_bias,
+                                            topk_ids=topk_ids if self.precomputed else None,
+                                            topk_weights=topk_weights if self.precomputed else None)
+        return (output, ids, weights) if return_routing else output
 
     def forward(self, hidden_states, router_logits=None, routing_bias=None, topk_ids=None, topk_weights=None,
                 return_routing=False):
@@ -155,6 +221,9 @@ class FusedMoE(torch.nn.Module):
         _tensor("router_logits", router_logits, optional=True)
         _tensor("topk_ids", topk_ids, optional=True)
         _tensor("topk_weights", topk_weights, optional=True)
+        if self.all2all is not None:
+            return self._forward_all2all(hidden_states, router_logits, routing_bias, topk_ids, topk_weights,
+                                         return_routing)
         if not self.precomputed and router_logits is None:
             raise Error(f"FusedMoE: router_logits is required (routing method {self.layer.problem.routing_method})")
         if self.precomputed:
@@ -181,4 +250,20 @@ class FusedMoE(torch.nn.Module):
         return (output, ids, weights) if return_routing else output
 
     def extra_repr(self):
+        if self.all2all is not None:
+            return f"{self.problem.describe()}, ep_all2all rank {self.all2all.rank} of {self.all2all.size}"
         return f"{self.layer.problem.describe()}, device={self.layer.device}, max_tokens={self.layer.max_tokens}"
+
+
+def _group_communicator(group, device_index):
+    """fp4moe's NCCL communicator over the ranks of a torch.distributed group: rank 0 of the group makes
+    the id, the group broadcasts it, every rank joins (ncclCommInitRank)."""
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        raise Error("FusedMoE: process_group: torch.distributed is not initialized")
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    box = [_fp4moe.nccl_unique_id() if rank == 0 else None]
+    backend = dist.get_backend(group)
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group,
+                               device=torch.device("cuda", device_index) if backend == "nccl" else None)
+    return nccl_communicator(box[0], rank, size, device=f"cuda:{device_index}")

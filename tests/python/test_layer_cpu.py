@@ -598,3 +598,18 @@ def test_load_gpt_oss_checkpoint_layer(tmp_path):
     assert half["layer_problem"].weight_format == "mxfp4"
     tp = fp4moe.load_checkpoint_layer(tmp_path, layer, tp_rank=0, tp_size=1)
     np.testing.assert_array_equal(tp["weights"]["w2_scale"], np.asarray(expected[layer]["w2_scale"]))
+
+
+@pytest.mark.skipif(fp4moe.cuda_device_available()[0], reason="the errors of a machine without a GPU")
+def test_expert_parallel_layer_without_a_gpu_is_an_error():
+    """The all-to-all layer runs on cuda only: without a GPU (or a CUDA build) every entry point says so."""
+    problem = fp4moe.preset("tiny")
+    weights = fp4moe.random_case(problem, 0, seed=1)["weights"]
+    with pytest.raises(fp4moe.Error):
+        fp4moe.virtual_ranks(2)
+    with pytest.raises(fp4moe.Error, match="cuda device"):
+        fp4moe.virtual_ranks(2, device="cpu")
+    with pytest.raises(fp4moe.Error, match="communicator must come from"):
+        fp4moe.ExpertParallelLayer(problem, weights, None)
+    with pytest.raises(fp4moe.Error, match="unique_id must be the bytes"):
+        fp4moe.nccl_communicator(b"x".decode(), 0, 1)

@@ -13,6 +13,7 @@
 #include "error_message.hpp"
 #include "fp4moe/case_file.hpp"
 #include "fp4moe/checkpoint.hpp"
+#include "fp4moe/expert_parallel.hpp"
 #include "fp4moe/presets.hpp"
 #include "fp4moe/reference.hpp"
 #include "layout_fixtures.hpp"
@@ -125,6 +126,44 @@ TEST(EpDispatch, WireBytesPerRow) {
   p.act_quant = ActQuant::W4A16;
   EXPECT_EQ(ep::dispatch_row_bytes(p, 8), 2 * 7168 + 8 * 4);
   EXPECT_EQ(ep::combine_entry_bytes(p), 4 * 7168);
+}
+
+// expert_parallel_weights' views hold exactly the bytes of the rank's experts (the tests' copies).
+TEST(EpDispatch, ExpertParallelWeightsAreTheRanksExperts) {
+  MoeProblem nvfp4 = preset("tiny", ActQuant::W4A4PerExpert);
+  nvfp4.num_experts = 7;
+  MoeProblem mxfp4 = nvfp4;
+  mxfp4.act_quant = ActQuant::W4A16;
+  mxfp4.weight_format = WeightFormat::MXFP4;
+  for (const MoeProblem& p : {nvfp4, mxfp4}) {
+    io::MoeCase c = io::make_random_packed_case(p, 0, 21);
+    io::add_random_expert_biases(c, 22);
+    const reference::MoeWeights whole = c.weights();
+    for (int N : {1, 3, 7})
+      for (int r = 0; r < N; ++r) {
+        const auto [begin, end] = io::expert_range(p.num_experts, r, N);
+        const test::ExpertRangeWeights want(c, begin, end, {});
+        const ExpertParallelWeights got = expert_parallel_weights(p, whole, r, N);
+        auto same = [](const auto* view, const auto& v) {
+          return v.empty() ? view == nullptr : view != nullptr && std::memcmp(view, v.data(), v.size() * sizeof(v[0])) == 0;
+        };
+        const std::string at = "rank " + std::to_string(r) + " of " + std::to_string(N);
+        EXPECT_TRUE(same(got.local.w13, want.w13)) << at;
+        EXPECT_TRUE(same(got.local.w13_scale, want.w13_scale)) << at;
+        EXPECT_TRUE(same(got.local.w13_scale_2, want.w13_scale_2)) << at;
+        EXPECT_TRUE(same(got.local.w13_input_scale, want.w13_input_scale)) << at;
+        EXPECT_TRUE(same(got.local.w2, want.w2)) << at;
+        EXPECT_TRUE(same(got.local.w2_scale, want.w2_scale)) << at;
+        EXPECT_TRUE(same(got.local.w2_scale_2, want.w2_scale_2)) << at;
+        EXPECT_TRUE(same(got.local.w2_input_scale, want.w2_input_scale)) << at;
+        EXPECT_TRUE(same(got.local.w13_bias, want.w13_bias)) << at;
+        EXPECT_TRUE(same(got.local.w2_bias, want.w2_bias)) << at;
+        EXPECT_EQ(got.layer_w13_input_scale, whole.w13_input_scale) << at;
+        EXPECT_EQ(got.layer_w2_bias, whole.w2_bias) << at;
+      }
+  }
+  EXPECT_THROW(expert_parallel_weights(nvfp4, reference::MoeWeights{}, 3, 3), Error);
+  EXPECT_THROW(expert_parallel_weights(nvfp4, reference::MoeWeights{}, 0, 8), Error);
 }
 
 TEST(EpDispatch, PackGathersTheRowsOfOneRank) {
