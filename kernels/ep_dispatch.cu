@@ -18,7 +18,12 @@
 //
 // gather_rows copies whole rows by an index (the destinations' send buffers, or the combined y back
 // into entry order) in the widest word that the row size and both pointers allow.
+//
+// The all-gather scheme's two element-wise kernels: localize_ids maps the gathered whole-layer ids to
+// this rank's (-1 for another rank's expert), sum_partials adds the ranks' fp32 partial outputs in rank
+// order (four elements per thread) and rounds once.
 #include <cub/block/block_scan.cuh>
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -133,11 +138,71 @@ cudaError_t launch_ep_plan(const EpPlanArgs& a, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+__global__ void localize_ids_kernel(LocalizeIdsArgs a) {
+  for (int i = int(blockIdx.x * blockDim.x + threadIdx.x); i < a.num_ids; i += int(gridDim.x * blockDim.x)) {
+    const int id = a.ids[i];
+    a.local[i] = id >= a.first_expert && id < a.first_expert + a.num_local_experts ? id - a.first_expert : -1;
+  }
+}
+
+__global__ void sum_partials_kernel(SumPartialsArgs a) {
+  const int64_t n4 = int64_t(a.num_tokens) * a.hidden_size / 4;
+  const float4* partials = reinterpret_cast<const float4*>(a.partials);
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n4; i += int64_t(gridDim.x) * blockDim.x) {
+    float4 sum = partials[i];
+    for (int s = 1; s < a.ranks; ++s) {
+      const float4 v = partials[int64_t(s) * n4 + i];
+      sum.x += v.x, sum.y += v.y, sum.z += v.z, sum.w += v.w;
+    }
+    if (a.topk_ids) {
+      const int t = int(i / (a.hidden_size / 4));
+      bool invalid = false;
+      for (int j = 0; j < a.top_k; ++j) {
+        const int id = a.topk_ids[int64_t(t) * a.top_k + j];
+        invalid |= id < 0 || id >= a.num_experts;
+      }
+      if (invalid) sum = make_float4(NAN, NAN, NAN, NAN);
+    }
+    if (a.out_f32) {
+      reinterpret_cast<float4*>(a.out_f32)[i] = sum;
+    } else {
+      __nv_bfloat162* out = reinterpret_cast<__nv_bfloat162*>(a.out) + 2 * i;
+      out[0] = __floats2bfloat162_rn(sum.x, sum.y);
+      out[1] = __floats2bfloat162_rn(sum.z, sum.w);
+    }
+  }
+}
+
 cudaError_t launch_compact_entries(const CompactEntriesArgs& a, cudaStream_t stream) {
   if (a.num_entries < 0) return cudaErrorInvalidValue;
   if (a.num_entries == 0) return cudaSuccess;
   if (a.ids == nullptr || a.list == nullptr) return cudaErrorInvalidValue;
   compact_entries_kernel<<<1, kThreads, 0, stream>>>(a);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_localize_ids(const LocalizeIdsArgs& a, cudaStream_t stream) {
+  if (a.num_ids < 0 || a.num_local_experts < 0) return cudaErrorInvalidValue;
+  if (a.num_ids == 0) return cudaSuccess;
+  if (a.ids == nullptr || a.local == nullptr) return cudaErrorInvalidValue;
+  constexpr int kBlock = 256;
+  const int blocks = std::min((a.num_ids + kBlock - 1) / kBlock, 1024);
+  localize_ids_kernel<<<blocks, kBlock, 0, stream>>>(a);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_sum_partials(const SumPartialsArgs& a, cudaStream_t stream) {
+  if (a.ranks < 1 || a.num_tokens < 0 || a.hidden_size < 0 || a.hidden_size % 4 != 0) return cudaErrorInvalidValue;
+  if ((a.out == nullptr) == (a.out_f32 == nullptr)) return cudaErrorInvalidValue;
+  if (a.num_tokens == 0 || a.hidden_size == 0) return cudaSuccess;
+  // NOTE: float4 loads of the partials and stores of fp32 out; bf16 out as pairs (4 bytes).
+  if (a.partials == nullptr || !aligned(a.partials, 0, 16) || (a.out_f32 && !aligned(a.out_f32, 0, 16)) ||
+      (a.out && !aligned(a.out, 0, 4)))
+    return cudaErrorInvalidValue;
+  constexpr int kBlock = 256;
+  const int64_t n4 = int64_t(a.num_tokens) * a.hidden_size / 4;
+  const int blocks = int(std::min<int64_t>((n4 + kBlock - 1) / kBlock, 4096));
+  sum_partials_kernel<<<blocks, kBlock, 0, stream>>>(a);
   return cudaGetLastError();
 }
 

@@ -352,4 +352,30 @@ struct GatherRowsArgs {
 };
 cudaError_t launch_gather_rows(const GatherRowsArgs& args, cudaStream_t stream);
 
+// ---- expert-parallel all-gather (ep::localize_ids / ep::sum_partials are the CPU oracles) -----------
+// local[i] = ids[i] - first_expert where first_expert <= ids[i] < first_expert + num_local_experts, else -1.
+struct LocalizeIdsArgs {
+  const int32_t* ids = nullptr;  // [num_ids] the whole layer's
+  int num_ids = 0;
+  int first_expert = 0;
+  int num_local_experts = 0;
+  int32_t* local = nullptr;      // [num_ids]
+};
+cudaError_t launch_localize_ids(const LocalizeIdsArgs& args, cudaStream_t stream);
+
+// out[t, h] = sum over s = 0..ranks-1, in order, of partials[s, t, h] (fp32), rounded to bf16 once, or
+// written as fp32: the sum of the ranks' partial outputs for this rank's tokens.
+struct SumPartialsArgs {
+  const float* partials = nullptr;  // [ranks, T, H]
+  int ranks = 0;
+  int num_tokens = 0;
+  int hidden_size = 0;              // a multiple of 4 (float4 loads)
+  __nv_bfloat16* out = nullptr;     // [T, H], or
+  float* out_f32 = nullptr;         //   [T, H] (exactly one of the two)
+  const int32_t* topk_ids = nullptr;  // [T, k] the tokens' whole-layer ids, or nullptr: a token with an id
+  int top_k = 0;                      //   outside [0, num_experts) gets a NaN row, as the single layer's
+  int num_experts = 0;                //   finalize gives it
+};
+cudaError_t launch_sum_partials(const SumPartialsArgs& args, cudaStream_t stream);
+
 }  // namespace fp4moe::kernels

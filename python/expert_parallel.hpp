@@ -4,8 +4,9 @@
 //
 //   Communicator               a rank of a group: virtual_ranks(n) (one GPU, one thread per rank) or
 //                              nccl_communicator(unique_id, rank, size, device) (one process per rank)
-//   ExpertParallelLayer        one rank of the layer: the whole layer's problem and weights (host
-//                              arrays; the rank prepares its own experts), forward into caller tensors
+//   ExpertParallelLayer        one rank of the layer (scheme "all_to_all" or "all_gather"): the whole
+//                              layer's problem and weights (host arrays; the rank prepares its own
+//                              experts), forward into caller tensors
 //
 // Every call that waits for the other ranks (the constructor's NCCL init, forward) releases the
 // Python lock, so that the ranks' Python threads of a virtual group run side by side.
@@ -63,7 +64,8 @@ inline std::shared_ptr<PyCommunicator> nccl_communicator(const nb::bytes& unique
 class PyExpertParallelLayer {
  public:
   PyExpertParallelLayer(const MoeProblem& problem, const nb::dict& weights, const std::shared_ptr<PyCommunicator>& comm,
-                        int64_t max_tokens, int device_index, int64_t receive_capacity_rows, bool w13_up_gate)
+                        int64_t max_tokens, int device_index, int64_t receive_capacity_rows, bool w13_up_gate,
+                        const std::string& scheme)
       : comm_(comm) {
     static const std::string where = "ExpertParallelLayer";
     check(comm != nullptr, where, ": communicator is None");
@@ -78,9 +80,13 @@ class PyExpertParallelLayer {
     }
     ExpertParallelOptions o;
     o.receive_capacity_rows = receive_capacity_rows;
+    check(scheme == "all_to_all" || scheme == "all_gather", where, ": scheme must be 'all_to_all' or 'all_gather', got '",
+          scheme, "'");
+    o.scheme = scheme == "all_gather" ? ExpertParallelScheme::AllGather : ExpertParallelScheme::AllToAll;
     Communicator& c = *comm_->get();
     layer_ = ExpertParallelLayer::create(problem, max_tokens, c, o, device_index);
     device_ = device_index;
+    scheme_ = scheme;
     const ExpertParallelWeights w = expert_parallel_weights(problem, host.view, c.rank(), c.size());
     Status s;
     {
@@ -95,6 +101,7 @@ class PyExpertParallelLayer {
   int64_t max_tokens() const { return layer_->max_tokens(); }
   int rank() const { return comm_->rank(); }
   int size() const { return comm_->size(); }
+  std::string scheme() const { return scheme_; }
   nb::dict last_traffic() const {
     const ExpertParallelTraffic t = layer_->last_traffic();
     nb::dict d;
@@ -164,6 +171,7 @@ class PyExpertParallelLayer {
   std::shared_ptr<PyCommunicator> comm_;  // outlives the layer, which holds a reference to it
   std::unique_ptr<ExpertParallelLayer> layer_;
   int device_ = 0;
+  std::string scheme_;
 };
 
 }  // namespace fp4moe::python

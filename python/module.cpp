@@ -342,11 +342,12 @@ NB_MODULE(_fp4moe, m) {
   m.def("nccl_communicator", &nccl_communicator, "unique_id"_a, "rank"_a, "size"_a, "device_index"_a,
         "Rank `rank` of an NCCL group of `size` (ncclCommInitRank; returns once every rank has joined).");
   nb::class_<PyExpertParallelLayer>(m, "ExpertParallelLayer",
-                                    "One rank of the all-to-all expert-parallel layer (cuda): FP4 dispatch, fp32 combine.")
+                                    "One rank of the expert-parallel layer (cuda): FP4 rows all-to-all or all-gathered, fp32 back.")
       .def(nb::init<const MoeProblem&, const nb::dict&, const std::shared_ptr<PyCommunicator>&, int64_t, int, int64_t,
-                    bool>(),
+                    bool, const std::string&>(),
            "problem"_a, "weights"_a, "communicator"_a, "max_tokens"_a, "device_index"_a,
-           "receive_capacity_rows"_a = 0, "w13_up_gate"_a = false)
+           "receive_capacity_rows"_a = 0, "w13_up_gate"_a = false, "scheme"_a = "all_to_all")
+      .def_prop_ro("scheme", &PyExpertParallelLayer::scheme)
       .def_prop_ro("problem", &PyExpertParallelLayer::problem)
       .def_prop_ro("local_problem", &PyExpertParallelLayer::local_problem)
       .def_prop_ro("max_tokens", &PyExpertParallelLayer::max_tokens)

@@ -646,11 +646,11 @@ void run_ep_rank_steps(EpSteps& run, ExpertParallelLayer& layer, ExpertParallelA
 
 std::vector<EpAllToAllRow> bench_ep_all2all(const std::string& model, const MoeProblem& p,
                                             const std::vector<int64_t>& tokens, int ranks, const BenchOptions& opt,
-                                            bool progress) {
-  check(ranks >= 1 && ranks <= p.num_experts, "bench --parallel ep_all2all: --ep-size must be in [1, E = ", p.num_experts,
+                                            bool progress, ExpertParallelScheme scheme) {
+  check(ranks >= 1 && ranks <= p.num_experts, "bench --parallel ep_all2all/dp_allgather: --ep-size must be in [1, E = ", p.num_experts,
         "], got ", ranks);
   check(p.routing.method != RoutingMethod::Precomputed,
-        "bench --parallel ep_all2all: every rank routes random logits, which a precomputed problem cannot");
+        "bench --parallel ep_all2all/dp_allgather: every rank routes random logits, which a precomputed problem cannot");
   check(opt.reps >= 20, "bench: reps must be >= 20, got ", opt.reps);
   check(!tokens.empty(), "bench: no token counts given");
   for (int64_t t : tokens) check(t >= 1, "bench: token counts must be >= 1, got ", t);
@@ -665,6 +665,7 @@ std::vector<EpAllToAllRow> bench_ep_all2all(const std::string& model, const MoeP
   for (int r = 0; r < ranks; ++r) {
     ExpertParallelOptions lo;
     lo.time_stages = true;
+    lo.scheme = scheme;
     layers.push_back(ExpertParallelLayer::create(p, max_t, *comms[r], lo));
     const ExpertParallelWeights w = expert_parallel_weights(p, whole.weights(), r, ranks);
     if (Status s = layers.back()->prepare_weights(w); !s.ok()) throw Error(s.message);
@@ -708,12 +709,13 @@ std::vector<EpAllToAllRow> bench_ep_all2all(const std::string& model, const MoeP
     for (std::thread& t : threads) t.join();
     const std::vector<std::string>& errors = run.errors;
     const std::vector<double>& step_us = run.step_us;
-    for (int r = 0; r < ranks; ++r) check(errors[r].empty(), "bench --parallel ep_all2all: rank ", r, ": ", errors[r]);
+    for (int r = 0; r < ranks; ++r) check(errors[r].empty(), "bench --parallel ep_all2all/dp_allgather: rank ", r, ": ", errors[r]);
     if (opt.refcheck) refcheck(p, whole.weights(), in[0], T, ids[0]->ptr, out[0]->ptr);  // rank 0 is the whole layer's
     std::vector<double> timed(step_us.begin() + opt.warmup, step_us.end());
     std::sort(timed.begin(), timed.end());
     EpAllToAllRow row;
     row.model = model;
+    row.scheme = scheme;
     row.mode = p.act_quant;
     row.ranks = ranks;
     row.tokens_per_rank = T;
@@ -740,11 +742,12 @@ std::vector<EpAllToAllRow> bench_ep_all2all(const std::string& model, const MoeP
       row.combine_bytes += t.combine_bytes;
     }
     const int rows_top_k = layers[0]->rows_top_k();
-    row.row_bytes_expected = (p.act_quant == ActQuant::W4A16 ? 2 * H : H / 2 + H / 16) + 4 * rows_top_k;
+    row.row_bytes_expected = (p.act_quant == ActQuant::W4A16 ? 2 * H : H / 2 + H / 16) +
+                             (scheme == ExpertParallelScheme::AllToAll ? 4 : 8) * rows_top_k;
     rows.push_back(row);
     if (progress)
-      std::fprintf(stderr, "bench %s ep_all2all N=%d T=%lld/rank: %.1f us per step (dispatch %.1f, experts %.1f, "
-                   "combine %.1f, exchanges %.1f us)\n", model.c_str(), ranks, static_cast<long long>(T), row.median_us,
+      std::fprintf(stderr, "bench %s %s N=%d T=%lld/rank: %.1f us per step (dispatch %.1f, experts %.1f, "
+                   "combine %.1f, exchanges %.1f us)\n", model.c_str(), to_string(scheme), ranks, static_cast<long long>(T), row.median_us,
                    row.dispatch_us, row.experts_us, row.combine_us, row.exchange_us);
   }
   return rows;

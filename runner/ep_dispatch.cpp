@@ -1,7 +1,9 @@
 // runner/ep_dispatch.cpp — the all-to-all dispatch plan (runner/ep_dispatch.hpp).
 #include "runner/ep_dispatch.hpp"
 
+#include <algorithm>
 #include <cstring>
+#include <limits>
 
 #include "fp4moe/checkpoint.hpp"
 #include "fp4moe/error.hpp"
@@ -112,9 +114,42 @@ void pack_rows(const DispatchPlan& plan, int d, const uint8_t* rows, int64_t row
                 static_cast<size_t>(row_bytes));
 }
 
+std::vector<int32_t> localize_ids(const int32_t* ids, int64_t n, int64_t first, int64_t count) {
+  check(n == 0 || ids != nullptr, "localize_ids: ids is null, expected ", n);
+  std::vector<int32_t> local(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i)
+    local[i] = ids[i] >= first && ids[i] < first + count ? static_cast<int32_t>(ids[i] - first) : -1;
+  return local;
+}
+
+std::vector<float> sum_partials(const float* partials, int ranks, int64_t tokens, int64_t hidden, const int32_t* ids,
+                                int top_k, int64_t num_experts) {
+  check(ranks >= 1, "sum_partials: ranks must be >= 1, got ", ranks);
+  const int64_t n = tokens * hidden;
+  std::vector<float> out(static_cast<size_t>(n), 0.0f);
+  for (int64_t i = 0; i < n; ++i) {
+    float sum = partials[i];
+    for (int s = 1; s < ranks; ++s) sum += partials[s * n + i];
+    out[i] = sum;
+  }
+  for (int64_t t = 0; ids && t < tokens; ++t)
+    for (int j = 0; j < top_k; ++j)
+      if (ids[t * top_k + j] < 0 || ids[t * top_k + j] >= num_experts)
+        std::fill(out.begin() + t * hidden, out.begin() + (t + 1) * hidden, std::numeric_limits<float>::quiet_NaN());
+  return out;
+}
+
 }  // namespace fp4moe::ep
 
 namespace fp4moe {
+
+const char* to_string(ExpertParallelScheme scheme) {
+  switch (scheme) {
+    case ExpertParallelScheme::AllToAll: return "all_to_all";
+    case ExpertParallelScheme::AllGather: return "all_gather";
+  }
+  return "unknown";
+}
 
 ExpertParallelWeights expert_parallel_weights(const MoeProblem& p, const reference::MoeWeights& whole, int rank,
                                               int size) {

@@ -72,4 +72,13 @@ int64_t combine_entry_bytes(const MoeProblem& problem);
 // `rows` (S rows of row_bytes each): the host form of the packing the device does per destination.
 void pack_rows(const DispatchPlan& plan, int d, const uint8_t* rows, int64_t row_bytes, uint8_t* out);
 
+// ---- the all-gather scheme (every rank gets every row; fp32 partial outputs summed on the token's rank)
+// A rank's local ids of the whole layer's ids [n]: id - first where first <= id < first + count, else -1.
+std::vector<int32_t> localize_ids(const int32_t* ids, int64_t n, int64_t first, int64_t count);
+// out[t, h] = the sum over s = 0, 1, ..., ranks - 1 in that order of partials[s, t, h] (fp32 adds):
+// rank s's partial output for this rank's T tokens, as the reduce-scatter's all-to-all delivers them;
+// with ids [T, top_k], a token with an id outside [0, num_experts) gets a NaN row.
+std::vector<float> sum_partials(const float* partials, int ranks, int64_t tokens, int64_t hidden,
+                                const int32_t* ids = nullptr, int top_k = 0, int64_t num_experts = 0);
+
 }  // namespace fp4moe::ep

@@ -14,6 +14,14 @@
 //   y_comb                  [S * rows_top_k, H] combine: every rank's returned entries in rank order
 //   y                       [S * rows_top_k, H] entry order (gather_rows by gather_index) -> finalize
 // The receive side is sized for C rows; the local runner's max_tokens is the C rows' entries over k.
+//
+// ExpertParallelScheme::AllGather (G gathered tokens of the group, R = G * rows per token <= C):
+//   rows_values/_scales, ids, weights  this rank's                     -> all-gather (the same bytes to all)
+//   recv_values/_scales [R, ...], recv_ids/_weights [G, k]   every rank's, source-major
+//   local_ids           [G, k]            kernels::launch_localize_ids (another rank's expert: -1)
+//   y_recv              [R * rows_top_k, H] fp32, experts                   -> finalize (own slots only)
+//   partial             [G, H] fp32       the rank's share of every gathered token -> all-to-all by token rank
+//   partials_in         [N, T, H] fp32    every rank's share of this rank's tokens -> kernels::launch_sum_partials
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -115,7 +123,9 @@ class GpuExpertParallelLayer final : public ExpertParallelLayer {
         N_(comm.size()),
         rank_(comm.rank()),
         device_(device),
-        local_(rank_problem(p, rank_, N_)) {
+        local_(rank_problem(p, rank_, N_)),
+        first_expert_(io::expert_range(p.num_experts, rank_, N_).first),
+        scheme_(options.scheme) {
     const int64_t k = p.top_k(), H = p.hidden;
     const StageRowsShape one = runner::stage_rows_shape(p, 1, ScaleLayout::Linear);
     rows_top_k_ = one.rows.rows_top_k;
@@ -135,21 +145,30 @@ class GpuExpertParallelLayer final : public ExpertParallelLayer {
     auto buffer = [](int64_t bytes, const char* what) { return std::make_unique<DeviceBuffer>(size_t(bytes), what); };
     rows_values_ = buffer(max_rows_ * value_bytes_, "ExpertParallelLayer rows");
     rows_scales_ = buffer(max_rows_ * scale_bytes_, "ExpertParallelLayer row scales");
-    send_offsets_ = buffer(4 * (N_ + 1), "ExpertParallelLayer send offsets");
-    send_entry_offsets_ = buffer(4 * (N_ + 1), "ExpertParallelLayer send entry offsets");
-    send_rows_ = buffer(4 * copies, "ExpertParallelLayer send rows");
-    send_ids_ = buffer(4 * copies * rows_top_k_, "ExpertParallelLayer send ids");
-    gather_index_ = buffer(4 * max_rows_ * rows_top_k_, "ExpertParallelLayer gather index");
-    send_values_ = buffer(copies * value_bytes_, "ExpertParallelLayer send rows");
-    send_scales_ = buffer(copies * scale_bytes_, "ExpertParallelLayer send scales");
     recv_values_ = buffer(capacity_ * value_bytes_, "ExpertParallelLayer received rows");
     recv_scales_ = buffer(capacity_ * scale_bytes_, "ExpertParallelLayer received scales");
     recv_ids_ = buffer(4 * capacity_ * rows_top_k_, "ExpertParallelLayer received ids");
-    compact_list_ = buffer(4 * capacity_ * rows_top_k_, "ExpertParallelLayer computed entries");
     y_recv_ = buffer(4 * H * capacity_ * rows_top_k_, "ExpertParallelLayer experts' y");
-    y_send_ = buffer(4 * H * capacity_ * rows_top_k_, "ExpertParallelLayer returned y");
-    y_comb_ = buffer(4 * H * max_rows_ * rows_top_k_, "ExpertParallelLayer combined y");
-    y_ = buffer(4 * H * max_rows_ * rows_top_k_, "ExpertParallelLayer y");
+    if (scheme_ == ExpertParallelScheme::AllGather) {
+      // The received entries are the group's tokens' k slots: capacity_ * rows_top_k_ / k tokens.
+      const int64_t tokens = capacity_ * rows_top_k_ / k;
+      recv_weights_ = buffer(4 * capacity_ * rows_top_k_, "ExpertParallelLayer received router weights");
+      local_ids_ = buffer(4 * capacity_ * rows_top_k_, "ExpertParallelLayer local ids");
+      partial_ = buffer(4 * H * tokens, "ExpertParallelLayer partial output");
+      partials_in_ = buffer(4 * H * N_ * max_tokens, "ExpertParallelLayer received partial outputs");
+    } else {
+      send_offsets_ = buffer(4 * (N_ + 1), "ExpertParallelLayer send offsets");
+      send_entry_offsets_ = buffer(4 * (N_ + 1), "ExpertParallelLayer send entry offsets");
+      send_rows_ = buffer(4 * copies, "ExpertParallelLayer send rows");
+      send_ids_ = buffer(4 * copies * rows_top_k_, "ExpertParallelLayer send ids");
+      gather_index_ = buffer(4 * max_rows_ * rows_top_k_, "ExpertParallelLayer gather index");
+      send_values_ = buffer(copies * value_bytes_, "ExpertParallelLayer send rows");
+      send_scales_ = buffer(copies * scale_bytes_, "ExpertParallelLayer send scales");
+      compact_list_ = buffer(4 * capacity_ * rows_top_k_, "ExpertParallelLayer computed entries");
+      y_send_ = buffer(4 * H * capacity_ * rows_top_k_, "ExpertParallelLayer returned y");
+      y_comb_ = buffer(4 * H * max_rows_ * rows_top_k_, "ExpertParallelLayer combined y");
+      y_ = buffer(4 * H * max_rows_ * rows_top_k_, "ExpertParallelLayer y");
+    }
     host_offsets_ = std::make_unique<PinnedInts>(size_t(2 * (N_ + 1)));
     counts_out_.assign(size_t(N_) * 2 * N_, 0);
     counts_in_.assign(size_t(N_) * 2 * N_, 0);
@@ -241,9 +260,7 @@ class GpuExpertParallelLayer final : public ExpertParallelLayer {
     (void)cudaGetLastError();
     if (cudaError_t e = cudaSetDevice(device_); e != cudaSuccess) return Status::failure(cuda_message("cudaSetDevice", e));
 
-    auto mark = [&](StageEvent ev) {
-      return events_ ? events_->record(ev, stream) : cudaSuccess;
-    };
+    auto mark = [&](StageEvent ev) { return record(ev, stream); };
     timed_ = false;
     if (cudaError_t e = mark(kStart); e != cudaSuccess) return Status::failure(cuda_message("cudaEventRecord", e));
     // 1. route
@@ -271,6 +288,7 @@ class GpuExpertParallelLayer final : public ExpertParallelLayer {
     pr.values = rows_values_->ptr;
     pr.scales = rows_scales_->as<uint8_t>();
     if (cudaError_t e = kernels::launch_prepare_rows(pr, stream); e != cudaSuccess) return Status::failure(cuda_message("prepare_rows", e));
+    if (scheme_ == ExpertParallelScheme::AllGather) return forward_all_gather(stream, a, int64_t(T), S);
     // 3. plan and pack
     kernels::EpPlanArgs plan;
     plan.ids = a.topk_ids;  // [T, k] is [S, rows_top_k] either way
@@ -410,6 +428,116 @@ class GpuExpertParallelLayer final : public ExpertParallelLayer {
   }
 
  private:
+  cudaError_t record(StageEvent ev, cudaStream_t stream) { return events_ ? events_->record(ev, stream) : cudaSuccess; }
+
+  // ExpertParallelScheme::AllGather, after route and prepare (S rows of this rank's T tokens in
+  // rows_values_ / rows_scales_): the counts, the all-gather of rows, ids and weights, the rank's experts
+  // on every gathered row, its finalize of every gathered token into an fp32 partial (its own slots only),
+  // the partials' all-to-all to the tokens' ranks and their sum in rank order.
+  Status forward_all_gather(cudaStream_t stream, const ExpertParallelArgs& a, int64_t T, int64_t S) {
+    const char* fn = "ExpertParallelLayer::forward";
+    const MoeProblem& p = problem_;
+    const int64_t H = p.hidden, k = p.top_k();
+    const int rk = rows_top_k_;
+    const int64_t rows_per_token = rk == 1 ? k : 1;
+    if (cudaError_t e = record(kPacked, stream); e != cudaSuccess) return Status::failure(cuda_message("cudaEventRecord", e));
+    // counts: every rank's T (every rank gets the same table, so a capacity failure is every rank's)
+    for (int d = 0; d < N_; ++d) counts_out_[size_t(d)] = T;
+    if (Status s = comm_.exchange_counts(counts_out_.data(), counts_in_.data(), 1); !s.ok()) return s;
+    std::vector<int64_t>& token_first = recv_rows_h_;  // [N + 1]: the gathered tokens of rank s start at [s]
+    token_first[0] = 0;
+    for (int s = 0; s < N_; ++s) token_first[size_t(s) + 1] = token_first[size_t(s)] + counts_in_[size_t(s)];
+    const int64_t tokens = token_first[size_t(N_)], rows = tokens * rows_per_token;
+    if (rows > capacity_)
+      return Status::failure(detail::concat(fn, ": the group's ", tokens, " tokens are ", rows,
+                                            " rows, over the receive capacity of ", capacity_, " rows per rank"));
+    // all-gather: the same bytes to every rank (send_ends), landing source-major
+    std::vector<int64_t>& zeros = byte_offsets_[0];
+    std::fill(zeros.begin(), zeros.end(), 0);
+    const int64_t per_token[4] = {rows_per_token * value_bytes_, 4 * k, 4 * k, rows_per_token * scale_bytes_};
+    const void* sends[4] = {rows_values_->ptr, a.topk_ids, a.topk_weights, rows_scales_->ptr};
+    void* recvs[4] = {recv_values_->ptr, recv_ids_->ptr, recv_weights_->ptr, recv_scales_->ptr};
+    Communicator::Exchange gather_all[4];
+    for (int i = 0; i < 4; ++i) {
+      std::vector<int64_t>&ends = byte_offsets_[1 + i], &recv = byte_offsets_[5 + i];
+      std::fill(ends.begin(), ends.end(), T * per_token[i]);
+      scale_offsets(token_first, per_token[i], recv);
+      gather_all[i] = {sends[i], zeros.data(), recvs[i], recv.data(), ends.data()};
+    }
+    if (Status s = comm_.all_to_all_v(stream, gather_all, scale_bytes_ > 0 ? 4 : 3); !s.ok()) return s;
+    if (cudaError_t e = record(kDispatched, stream); e != cudaSuccess) return Status::failure(cuda_message("cudaEventRecord", e));
+
+    // the rank's experts on every gathered row: the whole layer's ids mapped to the rank's (-1: another's)
+    kernels::LocalizeIdsArgs li;
+    li.ids = recv_ids_->as<int32_t>();
+    li.num_ids = int(tokens * k);
+    li.first_expert = int(first_expert_);
+    li.num_local_experts = int(local_.num_experts);
+    li.local = local_ids_->as<int32_t>();
+    if (cudaError_t e = kernels::launch_localize_ids(li, stream); e != cudaSuccess)
+      return Status::failure(cuda_message("localize_ids", e));
+    ExpertsArgs ea;
+    ea.rows.num_rows = rows;
+    ea.rows.rows_top_k = rk;
+    ea.rows.format = format_;
+    ea.rows.scale_layout = ScaleLayout::Linear;
+    ea.rows.values = recv_values_->ptr;
+    ea.rows.scales = scale_bytes_ > 0 ? recv_scales_->ptr : nullptr;
+    ea.topk_ids = local_ids_->as<int32_t>();  // [tokens, k] is [rows, rows_top_k] either way
+    ea.y = y_recv_->as<float>();
+    ea.workspace = workspace_->ptr;
+    ea.workspace_bytes = workspace_bytes_;
+    if (rows > 0)
+      if (Status s = runner_->experts(stream, ea); !s.ok()) return s;
+    if (cudaError_t e = record(kExpertsDone, stream); e != cudaSuccess) return Status::failure(cuda_message("cudaEventRecord", e));
+
+    // the rank's partial of every gathered token: its own slots, in slot order, fp32
+    kernels::FinalizeArgs f;
+    f.y = y_recv_->as<float>();
+    f.topk_weights = recv_weights_->as<float>();
+    f.num_tokens = int(tokens);
+    f.top_k = int(k);
+    f.hidden_size = int(H);
+    f.unit_weights = p.routing.apply_router_weight_on_input;
+    f.topk_ids = local_ids_->as<int32_t>();
+    f.num_experts = int(local_.num_experts);
+    f.skip_foreign_ids = true;
+    f.bias = w2_bias_ ? w2_bias_->as<float>() + first_expert_ * H : nullptr;
+    f.out_f32 = partial_->as<float>();
+    if (tokens > 0)
+      if (cudaError_t e = kernels::launch_finalize(f, stream); e != cudaSuccess)
+        return Status::failure(cuda_message("finalize", e));
+    if (cudaError_t e = record(kCompacted, stream); e != cudaSuccess) return Status::failure(cuda_message("cudaEventRecord", e));
+
+    // the partials' reduce-scatter: rank d's tokens' rows of every rank's partial to d, summed there
+    std::vector<int64_t>&send = byte_offsets_[9], &recv = byte_offsets_[10];
+    scale_offsets(token_first, 4 * H, send);
+    for (int s = 0; s <= N_; ++s) recv[size_t(s)] = int64_t(s) * T * 4 * H;
+    Communicator::Exchange scatter = {partial_->ptr, send.data(), partials_in_->ptr, recv.data()};
+    if (Status s = comm_.all_to_all_v(stream, &scatter, 1); !s.ok()) return s;
+    if (cudaError_t e = record(kCombined, stream); e != cudaSuccess) return Status::failure(cuda_message("cudaEventRecord", e));
+    kernels::SumPartialsArgs sp;
+    sp.partials = partials_in_->as<float>();
+    sp.ranks = N_;
+    sp.num_tokens = int(T);
+    sp.hidden_size = int(H);
+    if (a.output_dtype == OutputDType::F32) sp.out_f32 = static_cast<float*>(a.output);
+    else sp.out = static_cast<__nv_bfloat16*>(a.output);
+    sp.topk_ids = a.topk_ids;
+    sp.top_k = int(k);
+    sp.num_experts = int(p.num_experts);
+    if (cudaError_t e = kernels::launch_sum_partials(sp, stream); e != cudaSuccess)
+      return Status::failure(cuda_message("sum_partials", e));
+    if (cudaError_t e = record(kFinalized, stream); e != cudaSuccess) return Status::failure(cuda_message("cudaEventRecord", e));
+    timed_ = events_ != nullptr;
+
+    traffic_.rows_sent = S * N_;
+    traffic_.rows_received = rows;
+    traffic_.dispatch_bytes = N_ * (S * (value_bytes_ + scale_bytes_) + T * 8 * k);
+    traffic_.combine_bytes = tokens * 4 * H;
+    return Status::success();
+  }
+
   Status gather(cudaStream_t stream, const int32_t* index, int rows, const int32_t* device_count, const void* src,
                 void* dst, int64_t row_bytes) {
     kernels::GatherRowsArgs g;
@@ -426,6 +554,8 @@ class GpuExpertParallelLayer final : public ExpertParallelLayer {
   Communicator& comm_;
   const int N_, rank_, device_;
   const MoeProblem local_;
+  const int64_t first_expert_;  // the rank's experts are [first_expert_, first_expert_ + local_.num_experts)
+  const ExpertParallelScheme scheme_;
   int rows_top_k_ = 1;
   RowFormat format_ = RowFormat::BF16;
   int64_t value_bytes_ = 0, scale_bytes_ = 0, max_rows_ = 0, capacity_ = 0;
@@ -434,13 +564,14 @@ class GpuExpertParallelLayer final : public ExpertParallelLayer {
   std::unique_ptr<DeviceBuffer> rows_values_, rows_scales_, send_offsets_, send_entry_offsets_, send_rows_, send_ids_,
       gather_index_, send_values_, send_scales_, recv_values_, recv_scales_, recv_ids_, compact_list_, y_recv_, y_send_,
       y_comb_, y_, input_scale_, w2_bias_, workspace_;
+  std::unique_ptr<DeviceBuffer> recv_weights_, local_ids_, partial_, partials_in_;  // AllGather
   size_t workspace_bytes_ = 0;
   std::unique_ptr<PinnedInts> host_offsets_;
   // Host tables of the count exchange, sized at create (no host allocation in forward): counts_in_
   // [src * 2N + x], rows_matrix_ [src * N + dst], the row/entry offsets [N + 1] and their byte offsets.
   std::vector<int64_t> counts_out_, counts_in_, rows_matrix_, send_rows_h_, recv_rows_h_, send_entries_h_,
       recv_entries_h_;
-  std::vector<int64_t> byte_offsets_[8];
+  std::vector<int64_t> byte_offsets_[12];
   std::unique_ptr<StageEvents> events_;
   bool timed_ = false;
   bool prepared_ = false;

@@ -131,7 +131,7 @@ class NcclCommunicator final : public Communicator {
       for (int i = 0; i < count; ++i) {
         const Exchange& x = exchanges[i];
         for (int peer = 0; peer < size_; ++peer) {
-          const int64_t out = x.send_offsets[peer + 1] - x.send_offsets[peer];
+          const int64_t out = x.send_end(peer) - x.send_offsets[peer];
           const int64_t in = x.recv_offsets[peer + 1] - x.recv_offsets[peer];
           if (out > 0)
             if (ncclResult_t r = api_.send(static_cast<const char*>(x.send) + x.send_offsets[peer], size_t(out), ncclChar,

@@ -148,7 +148,7 @@ class VirtualRank final : public Communicator {
       for (int i = 0; i < count; ++i) {
         const Exchange& sx = from.exchanges[i];
         const Exchange& rx = exchanges[i];
-        const int64_t bytes = sx.send_offsets[rank_ + 1] - sx.send_offsets[rank_];
+        const int64_t bytes = sx.send_end(rank_) - sx.send_offsets[rank_];
         const int64_t room = rx.recv_offsets[src + 1] - rx.recv_offsets[src];
         if (bytes != room) {
           note(detail::concat("virtual ranks: exchange ", i, ": rank ", src, " sends ", bytes, " bytes to rank ", rank_,

@@ -135,8 +135,9 @@ void add_bench_command(CLI::App& app, BenchCommandOptions& o) {
   b->add_option("--parallel", o.parallel,
                 "With --ep-size N: ep_allreduce times rank 0's layer (above); ep_all2all runs the N ranks of the "
                 "all-to-all layer (FP4 dispatch, fp32 combine) as virtual ranks sharing this GPU: the step time of "
-                "the whole group (device copies stand in for the wire) and the bytes each row copy puts on the wire")
-      ->check(CLI::IsMember({"ep_allreduce", "ep_all2all"}))
+                "the whole group (device copies stand in for the wire), each stage's time and the bytes each row copy "
+                "puts on the wire; dp_allgather the same for the layer's all-gather scheme")
+      ->check(CLI::IsMember({"ep_allreduce", "ep_all2all", "dp_allgather"}))
       ->capture_default_str();
   b->add_flag("--expert-biases", o.expert_biases,
               "Presets: random expert biases (w13_bias, w2_bias, as gpt-oss has) on the random weights");
@@ -145,29 +146,32 @@ void add_bench_command(CLI::App& app, BenchCommandOptions& o) {
   o.command = b;
 }
 
-// --parallel ep_all2all: the virtual ranks' step time and wire bytes (fp4moe/bench.hpp, bench_ep_all2all).
+// --parallel ep_all2all / dp_allgather: the virtual ranks' step and stage times and wire bytes
+// (fp4moe/bench.hpp, bench_ep_all2all).
 template <typename PresetOf>
 int run_ep_all2all(const BenchCommandOptions& o, const std::vector<std::string>& models,
                    const std::vector<int64_t>& tokens, const PresetOf& preset_of) {
-  check(!models.empty(), "bench --parallel ep_all2all: give --model PRESET[,PRESET] (a checkpoint layer is not supported)");
-  check(o.tp_size == 1, "bench --parallel ep_all2all: --tp-size is not supported with it");
-  check(o.json.empty() && o.csv.empty(), "bench --parallel ep_all2all: --json and --csv are not written for it yet; "
-        "read the table");
-  check(o.tactic.empty(), "bench --parallel ep_all2all: --tactic is not supported with it (each rank's selector chooses)");
+  const std::string what = "bench --parallel " + o.parallel;
+  check(!models.empty(), what, ": give --model PRESET[,PRESET] (a checkpoint layer is not supported)");
+  check(o.tp_size == 1, what, ": --tp-size is not supported with it");
+  check(o.json.empty() && o.csv.empty(), what, ": --json and --csv are not written for it yet; read the table");
+  check(o.tactic.empty(), what, ": --tactic is not supported with it (each rank's selector chooses)");
+  const ExpertParallelScheme scheme =
+      o.parallel == "dp_allgather" ? ExpertParallelScheme::AllGather : ExpertParallelScheme::AllToAll;
   BenchOptions opt;
   opt.reps = o.reps;
   opt.refcheck = !o.no_refcheck;
   opt.expert_biases = o.expert_biases;
-  std::printf("expert parallelism, all-to-all: %d virtual ranks sharing one GPU; a step is every rank's forward "
+  std::printf("expert parallelism, %s: %d virtual ranks sharing one GPU; a step is every rank's forward "
               "(host wall time, stream synchronised; no L2 flush). dispatch/experts/combine: the slowest rank's device "
               "time of the stage (events), the exchanges excluded; exch: the exchanges with their waits for the "
-              "other ranks (device copies here, not a network)\n", o.ep_size);
+              "other ranks (device copies here, not a network)\n", to_string(scheme), o.ep_size);
   std::printf("\n%-16s %-16s %3s %7s %10s %10s %9s %9s %9s %9s %10s %10s %10s %12s\n", "model", "mode", "N", "T/rank",
               "median_us", "min_us", "dispatch", "experts", "combine", "exch", "rows_sent", "B/row", "expected",
               "combine_MB");
   for (const auto& m : models) {
     const MoeProblem p = preset_of(m);
-    for (const EpAllToAllRow& r : bench_ep_all2all(m, p, tokens, o.ep_size, opt, true))
+    for (const EpAllToAllRow& r : bench_ep_all2all(m, p, tokens, o.ep_size, opt, true, scheme))
       std::printf("%-16s %-16s %3d %7lld %10.1f %10.1f %9.1f %9.1f %9.1f %9.1f %10lld %10.1f %10lld %12.2f\n",
                   r.model.c_str(), std::string(to_string(r.mode)).c_str(), r.ranks,
                   static_cast<long long>(r.tokens_per_rank), r.median_us, r.min_us, r.dispatch_us, r.experts_us,
@@ -212,7 +216,7 @@ int run_bench_command(const BenchCommandOptions& o) {
     layer->problem.validate();  // e.g. an explicit w4a4 mode on MXFP4 weights
   }
 
-  if (o.parallel == "ep_all2all") return run_ep_all2all(o, models, tokens, preset_of);
+  if (o.parallel == "ep_all2all" || o.parallel == "dp_allgather") return run_ep_all2all(o, models, tokens, preset_of);
 
   std::fprintf(stderr, "bench: measuring ceilings ...\n");
   const Ceilings c = measure_ceilings();

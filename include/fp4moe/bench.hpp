@@ -18,6 +18,7 @@
 
 #include "fp4moe/case_file.hpp"
 #include "fp4moe/error.hpp"
+#include "fp4moe/expert_parallel.hpp"
 #include "fp4moe/problem.hpp"
 #include "fp4moe/reference.hpp"
 #include "fp4moe/runner.hpp"
@@ -154,6 +155,7 @@ std::vector<BenchRow> bench_weights(const std::string& label, const MoeProblem& 
 // no L2 flush. Traffic from the ranks' last forward. options.refcheck checks rank 0's first tokens.
 struct EpAllToAllRow {
   std::string model;
+  ExpertParallelScheme scheme = ExpertParallelScheme::AllToAll;
   ActQuant mode = ActQuant::W4A16;
   int ranks = 1;
   int64_t tokens_per_rank = 0;
@@ -164,11 +166,14 @@ struct EpAllToAllRow {
   int64_t rows_sent = 0;           // row copies over all ranks (to themselves included)
   int64_t dispatch_bytes = 0;      // their wire bytes: values, scales and local ids
   int64_t combine_bytes = 0;       // fp32 y of the computed entries, sent back
-  int64_t row_bytes_expected = 0;  // H/2 + H/16 + 4 * rows_top_k (NVFP4 rows) or 2H + 4 * rows_top_k (bf16)
+  // AllToAll: H/2 + H/16 + 4 * rows_top_k (NVFP4 rows) or 2H + 4 * rows_top_k (bf16); AllGather: the
+  // row and 8 * rows_top_k (the token's k ids and weights over its k / rows_top_k rows)
+  int64_t row_bytes_expected = 0;
 };
 std::vector<EpAllToAllRow> bench_ep_all2all(const std::string& model, const MoeProblem& problem,
                                             const std::vector<int64_t>& tokens, int ranks,
-                                            const BenchOptions& options, bool progress = true);
+                                            const BenchOptions& options, bool progress = true,
+                                            ExpertParallelScheme scheme = ExpertParallelScheme::AllToAll);
 
 // ---- tuning (`fp4moe tune`) ----
 struct TuneProfileOptions {

@@ -51,12 +51,16 @@ class Communicator {
   virtual Status exchange_counts(const int64_t* send, int64_t* recv, int per_rank) = 0;
   // One variable-size exchange of device bytes. Byte offsets on the host, size() + 1 each:
   // send [send_offsets[d], send_offsets[d+1]) goes to rank d and lands in recv at
-  // [recv_offsets[s], recv_offsets[s+1]) of rank d for source s; the two sizes must agree.
+  // [recv_offsets[s], recv_offsets[s+1]) of rank d for source s; the two sizes must agree. With
+  // send_ends (size() values) the bytes for rank d are [send_offsets[d], send_ends[d]) instead, and the
+  // ranges may overlap (an all-gather sends the same bytes to every rank).
   struct Exchange {
     const void* send = nullptr;
     const int64_t* send_offsets = nullptr;
     void* recv = nullptr;
     const int64_t* recv_offsets = nullptr;
+    const int64_t* send_ends = nullptr;
+    int64_t send_end(int d) const { return send_ends ? send_ends[d] : send_offsets[d + 1]; }
   };
   // The exchanges as one group, after the work already queued on `stream`: work queued on `stream`
   // afterwards sees the received bytes and may overwrite the send buffers.
@@ -99,6 +103,19 @@ struct ExpertParallelWeights {
 ExpertParallelWeights expert_parallel_weights(const MoeProblem& layer, const reference::MoeWeights& whole, int rank,
                                               int size);
 
+// How a forward moves the rows (docs/numerics.md, "All-to-all expert parallelism").
+enum class ExpertParallelScheme {
+  // Each row goes only to the ranks that hold one of its experts; each computed entry's fp32 y comes
+  // back to the token's rank, which sums the token's k slots in slot order.
+  AllToAll,
+  // Every rank gets every rank's rows, ids and router weights (an all-gather); each rank finalizes its
+  // own experts' slots of every token into an fp32 partial output and sends each rank its tokens'
+  // partials (the all-to-all of a reduce-scatter), summed there in rank order and rounded once: the
+  // data-parallel prepare/finalize.
+  AllGather,
+};
+const char* to_string(ExpertParallelScheme scheme);
+
 struct ExpertParallelOptions {
   // Rows one rank can receive in a forward (buffers sized once); a forward in which some rank would get
   // more fails on every rank before any row is sent. 0: size() * max_tokens (a rank may get every row).
@@ -108,6 +125,7 @@ struct ExpertParallelOptions {
   std::optional<MoeTactic> tactic;
   // Record events between the stages of every forward (last_stage_times); off: no events.
   bool time_stages = false;
+  ExpertParallelScheme scheme = ExpertParallelScheme::AllToAll;
 };
 
 // Device pointers, row-major, of this rank's tokens.
@@ -124,11 +142,15 @@ struct ExpertParallelArgs {
 };
 
 // Rows and bytes of the last forward on this rank (host values, known after the count exchange).
+// AllGather: the rows go to every rank with the token's whole [k] ids and weights (8k bytes per
+// token), and the combine sends the fp32 partial output of every gathered token (4H bytes each).
 struct ExpertParallelTraffic {
   int64_t rows_sent = 0;       // row copies this rank sent (to itself included)
   int64_t rows_received = 0;   // rows its experts ran on
-  int64_t dispatch_bytes = 0;  // rows_sent * ep::dispatch_row_bytes: values, scales and local ids
-  int64_t combine_bytes = 0;   // fp32 y rows sent back (rows_received * rows_top_k * 4H)
+  int64_t dispatch_bytes = 0;  // AllToAll: rows_sent * ep::dispatch_row_bytes (values, scales, local ids);
+                               // AllGather: rows_sent * (values + scales) + size() * T * 8k
+  int64_t combine_bytes = 0;   // AllToAll: fp32 y rows sent back (computed entries * 4H);
+                               // AllGather: gathered tokens * 4H
 };
 
 // Device time of the last forward's stages on this rank, from events on its stream (time_stages).

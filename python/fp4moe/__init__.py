@@ -409,14 +409,19 @@ class ExpertParallelLayer:
 
     problem and weights are the whole layer's (host or device arrays; the rank prepares only its own
     experts from them, in the linear scale layout). communicator: from virtual_ranks or
-    nccl_communicator. receive_capacity_rows: the rows one rank can receive in a forward (0: every
-    rank's max_tokens, so that a rank may receive every row); a forward that would overflow it fails
-    on every rank. A forward waits for the other ranks and reads the send counts back on the host: it
+    nccl_communicator. scheme "all_to_all" (the default) sends each row only to the ranks of its
+    experts; "all_gather" sends every row with its token's ids and weights to every rank, and each
+    rank's fp32 partial outputs of the tokens to their ranks, summed there in rank order (the
+    data-parallel prepare/finalize; the output up to fp32 summation order). receive_capacity_rows:
+    the rows one rank can receive in a forward (0: every rank's max_tokens, so that a rank may receive
+    every row); a forward that would overflow it fails on every rank. A forward waits for the other ranks and reads the send counts back on the host: it
     is not capturable in a CUDA graph."""
 
     def __init__(self, problem, weights, communicator, *, device="cuda", max_tokens=8192, receive_capacity_rows=0,
-                 w13_up_gate=False, weight_format=None):
+                 w13_up_gate=False, weight_format=None, scheme="all_to_all"):
         _check_problem("ExpertParallelLayer", problem)
+        if scheme not in ("all_to_all", "all_gather"):
+            raise Error(f"ExpertParallelLayer: scheme must be 'all_to_all' or 'all_gather', got {scheme!r}")
         problem = _with_weight_format("ExpertParallelLayer", problem, weight_format)
         kind, index = _parse_device(device)
         if kind != "cuda":
@@ -427,13 +432,18 @@ class ExpertParallelLayer:
         max_tokens = _index("ExpertParallelLayer", "max_tokens", max_tokens)
         capacity = _index("ExpertParallelLayer", "receive_capacity_rows", receive_capacity_rows)
         host = {name: _to_host(name, value) for name, value in _weights_dict("ExpertParallelLayer", weights).items()}
-        self._impl = _fp4moe.ExpertParallelLayer(problem, host, communicator, max_tokens, index, capacity, w13_up_gate)
+        self._impl = _fp4moe.ExpertParallelLayer(problem, host, communicator, max_tokens, index, capacity, w13_up_gate,
+                                                 scheme)
         self._communicator = communicator
         self._device_index = index
 
     @property
     def problem(self):
         return self._impl.problem
+
+    @property
+    def scheme(self):
+        return self._impl.scheme
 
     @property
     def local_problem(self):
@@ -453,7 +463,7 @@ class ExpertParallelLayer:
         return self._impl.max_tokens
 
     def __repr__(self):
-        return (f"fp4moe.ExpertParallelLayer({self.problem.describe()}, rank {self.rank} of {self.size}, "
+        return (f"fp4moe.ExpertParallelLayer({self.problem.describe()}, {self.scheme}, rank {self.rank} of {self.size}, "
                 f"device=cuda:{self._device_index}, max_tokens={self.max_tokens})")
 
     def last_traffic(self):

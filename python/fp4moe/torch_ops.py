@@ -125,7 +125,9 @@ class FusedMoE(torch.nn.Module):
     summed here. Its group is `process_group` (torch.distributed, NCCL: a communicator of fp4moe's own
     is made over it once, its id broadcast through the group) or `communicator` (fp4moe.virtual_ranks,
     fp4moe.nccl_communicator). It reads the send counts on the host: not capturable in a CUDA graph,
-    and torch.compile runs it outside the graph. "dp_allgather" is not built yet (an error)."""
+    and torch.compile runs it outside the graph. "dp_allgather" is the same layer's all-gather scheme
+    (fp4moe.ExpertParallelLayer(scheme="all_gather")): every rank gets every rank's FP4 rows, ids and
+    weights, runs its experts on all of them, and each token's rank sums the ranks' fp32 partials."""
 
     PARALLEL = ("tp", "ep_allreduce", "ep_all2all", "dp_allgather")
 
@@ -136,16 +138,14 @@ class FusedMoE(torch.nn.Module):
         super().__init__()
         if parallel is not None and parallel not in self.PARALLEL:
             raise Error(f"FusedMoE: parallel must be one of {', '.join(self.PARALLEL)} (or None), got {parallel!r}")
-        if parallel == "dp_allgather":
-            raise Error("FusedMoE: parallel='dp_allgather' (all-gather of the FP4 rows, reduce-scatter of the "
-                        "outputs) is not built yet; use 'ep_all2all' or 'tp'")
         self.all2all = None
-        if parallel == "ep_all2all":
-            self._init_all2all(problem, weights, device, max_tokens, scales_swizzled, w13_up_gate, process_group,
-                               expert_range, router_problem, weight_format, communicator, receive_capacity_rows)
+        if parallel in ("ep_all2all", "dp_allgather"):
+            self._init_all2all(parallel, problem, weights, device, max_tokens, scales_swizzled, w13_up_gate,
+                               process_group, expert_range, router_problem, weight_format, communicator,
+                               receive_capacity_rows)
             return
         if communicator is not None:
-            raise Error("FusedMoE: communicator is for parallel='ep_all2all'")
+            raise Error("FusedMoE: communicator is for parallel='ep_all2all' or 'dp_allgather'")
         if parallel == "tp" and (process_group is None or expert_range is not None):
             raise Error("FusedMoE: parallel='tp' needs process_group (the ranks' shards) and no expert_range")
         if parallel == "ep_allreduce" and expert_range is None:
@@ -172,16 +172,16 @@ class FusedMoE(torch.nn.Module):
         self.router = Router(router_problem, device=device) if router_problem is not None else None
         self.router_handle = register_layer(self.router) if self.router is not None else 0
 
-    def _init_all2all(self, problem, weights, device, max_tokens, scales_swizzled, w13_up_gate, process_group,
-                      expert_range, router_problem, weight_format, communicator, receive_capacity_rows):
+    def _init_all2all(self, parallel, problem, weights, device, max_tokens, scales_swizzled, w13_up_gate,
+                      process_group, expert_range, router_problem, weight_format, communicator, receive_capacity_rows):
         if (process_group is None) == (communicator is None):
-            raise Error("FusedMoE: parallel='ep_all2all' needs exactly one of process_group (torch.distributed) "
+            raise Error(f"FusedMoE: parallel='{parallel}' needs exactly one of process_group (torch.distributed) "
                         "and communicator (fp4moe.virtual_ranks / nccl_communicator)")
         if expert_range is not None or router_problem is not None:
-            raise Error("FusedMoE: parallel='ep_all2all' takes the whole layer's problem and weights; expert_range "
+            raise Error(f"FusedMoE: parallel='{parallel}' takes the whole layer's problem and weights; expert_range "
                         "and router_problem are for 'ep_allreduce'")
         if scales_swizzled:
-            raise Error("FusedMoE: parallel='ep_all2all' takes the linear scale layout; scales_swizzled is not "
+            raise Error(f"FusedMoE: parallel='{parallel}' takes the linear scale layout; scales_swizzled is not "
                         "supported with it yet")
         index = torch.device(device).index
         if index is None:
@@ -191,7 +191,8 @@ class FusedMoE(torch.nn.Module):
             communicator = _group_communicator(process_group, index)
         self.all2all = ExpertParallelLayer(problem, weights, communicator, device=f"cuda:{index}",
                                            max_tokens=max_tokens, receive_capacity_rows=receive_capacity_rows,
-                                           w13_up_gate=w13_up_gate, weight_format=weight_format)
+                                           w13_up_gate=w13_up_gate, weight_format=weight_format,
+                                           scheme="all_gather" if parallel == "dp_allgather" else "all_to_all")
         self.layer = self.all2all
         self.fp32_partials = False
         self.expert_range = None
@@ -251,7 +252,8 @@ class FusedMoE(torch.nn.Module):
 
     def extra_repr(self):
         if self.all2all is not None:
-            return f"{self.problem.describe()}, ep_all2all rank {self.all2all.rank} of {self.all2all.size}"
+            parallel = "dp_allgather" if self.all2all.scheme == "all_gather" else "ep_all2all"
+            return f"{self.problem.describe()}, {parallel} rank {self.all2all.rank} of {self.all2all.size}"
         return f"{self.layer.problem.describe()}, device={self.layer.device}, max_tokens={self.layer.max_tokens}"
 
 

@@ -25,7 +25,7 @@ std::vector<BenchRow> bench_weights(const std::string&, const MoeProblem&, const
 }
 
 std::vector<EpAllToAllRow> bench_ep_all2all(const std::string&, const MoeProblem&, const std::vector<int64_t>&, int,
-                                            const BenchOptions&, bool) {
+                                            const BenchOptions&, bool, ExpertParallelScheme) {
   unavailable("bench");
 }
 

@@ -5,10 +5,13 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
+#include <random>
 #include <cstring>
 #include <vector>
 
 #include "kernels/gpu_test_util.hpp"
+#include "fp4moe/format.hpp"
 #include "kernels/launch.hpp"
 #include "runner/ep_dispatch.hpp"
 #include "routing_ids.hpp"
@@ -148,6 +151,79 @@ TEST(EpDispatchKernel, CompactEntriesEqualTheCpuList) {
       expect_same(std::vector<int32_t>(got.begin(), got.begin() + int64_t(want.size())), want, "list");
       for (size_t i = want.size(); i < got.size(); ++i) ASSERT_EQ(uint32_t(got[i]), 0xFFFFFFFFu) << "past the list, " << i;
     }
+}
+
+TEST(EpDispatchKernel, LocalizeIdsEqualTheCpuMap) {
+  FP4MOE_REQUIRE_SM90();
+  for (int n : {1, 37, 5000, 100000})
+    for (auto [first, count] : {std::pair<int, int>{0, 16}, {5, 3}, {15, 1}}) {
+      SCOPED_TRACE("ids=" + std::to_string(n) + " experts [" + std::to_string(first) + ", " + std::to_string(first + count) + ")");
+      const std::vector<int32_t> ids = random_ids(n, 1, 16, 31u * n + unsigned(first), 0.1);  // 10% outside [0, E)
+      const std::vector<int32_t> want = ep::localize_ids(ids.data(), n, first, count);
+      DeviceBuffer<int32_t> d_ids(ids), local(static_cast<size_t>(n));
+      local.poison();
+      kernels::LocalizeIdsArgs a;
+      a.ids = d_ids.get();
+      a.num_ids = n;
+      a.first_expert = first;
+      a.num_local_experts = count;
+      a.local = local.get();
+      CUDA_ASSERT(kernels::launch_localize_ids(a, nullptr));
+      expect_same(local.download(), want, "local ids");
+    }
+}
+
+// The ranks' partials summed in rank order: the same fp32 bits as the CPU sum, rounded once to bf16 (or
+// kept fp32), and a NaN row for a token with an id outside [0, E).
+TEST(EpDispatchKernel, SumPartialsEqualTheCpuSums) {
+  FP4MOE_REQUIRE_SM90();
+  std::mt19937 rng(7);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (int N : {1, 2, 8})
+    for (int T : {1, 37, 1000}) {
+      SCOPED_TRACE("N=" + std::to_string(N) + " T=" + std::to_string(T));
+      const int H = 264, k = 4, E = 16;
+      std::vector<float> partials(size_t(N) * T * H);
+      for (float& v : partials) v = normal(rng) * 100.0f;
+      const std::vector<int32_t> ids = random_ids(T, k, E, unsigned(N * 1000 + T), 0.02);
+      const std::vector<float> want = ep::sum_partials(partials.data(), N, T, H, ids.data(), k, E);
+      DeviceBuffer<float> d_partials(partials), out_f32(size_t(T) * H);
+      DeviceBuffer<int32_t> d_ids(ids);
+      DeviceBuffer<uint16_t> out(size_t(T) * H);
+      out_f32.poison();
+      out.poison();
+      kernels::SumPartialsArgs a;
+      a.partials = d_partials.get();
+      a.ranks = N;
+      a.num_tokens = T;
+      a.hidden_size = H;
+      a.topk_ids = d_ids.get();
+      a.top_k = k;
+      a.num_experts = E;
+      a.out_f32 = out_f32.get();
+      CUDA_ASSERT(kernels::launch_sum_partials(a, nullptr));
+      a.out_f32 = nullptr;
+      a.out = reinterpret_cast<__nv_bfloat16*>(out.get());
+      CUDA_ASSERT(kernels::launch_sum_partials(a, nullptr));
+      const std::vector<float> got_f32 = out_f32.download();
+      const std::vector<uint16_t> got = out.download();
+      for (size_t i = 0; i < want.size(); ++i) {
+        if (std::isnan(want[i])) {
+          ASSERT_TRUE(std::isnan(got_f32[i]) && std::isnan(format::bf16_to_float(got[i]))) << "element " << i;
+          continue;
+        }
+        uint32_t w, g;
+        std::memcpy(&w, &want[i], 4);
+        std::memcpy(&g, &got_f32[i], 4);
+        ASSERT_EQ(g, w) << "fp32 element " << i;
+        ASSERT_EQ(got[i], format::bf16_from_float(want[i])) << "bf16 element " << i;
+      }
+    }
+  kernels::SumPartialsArgs bad;
+  bad.ranks = 1;
+  bad.num_tokens = 1;
+  bad.hidden_size = 6;  // not a multiple of 4
+  EXPECT_EQ(kernels::launch_sum_partials(bad, nullptr), cudaErrorInvalidValue);
 }
 
 TEST(EpDispatchKernel, OneRankPerExpert) {

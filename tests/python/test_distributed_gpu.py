@@ -1,7 +1,7 @@
 """Tensor and expert parallelism over two GPUs (ctest label gpu; skipped on a machine with one GPU): two
 processes, one rank each, NCCL all-reduce through FusedMoE(process_group=) (tp, ep_allreduce) or the
-all-to-all layer (FusedMoE(parallel="ep_all2all"): each rank its own half of the tokens), against the
-whole layer on one GPU."""
+expert-parallel layer (FusedMoE(parallel="ep_all2all" | "dp_allgather"): each rank its own half of the
+tokens), against the whole layer on one GPU."""
 
 import os
 
@@ -39,9 +39,9 @@ def run_rank(rank, mode, reduce_dtype, init_file, result_file):
         case = fp4moe.random_case(p, TOKENS, seed=17, framework="torch")  # the same case on both ranks
         x = case["hidden_states"].to(device)
         logits, bias = case["router_logits"].to(device), case["routing_bias"].to(device)
-        if mode == "ep_all2all":  # rank r's tokens are [r * TOKENS / 2, (r + 1) * TOKENS / 2)
+        if mode in ("ep_all2all", "dp_allgather"):  # rank r's tokens: [r * TOKENS / 2, (r + 1) * TOKENS / 2)
             moe = FusedMoE(p, case["weights"], device=device, max_tokens=64, process_group=dist.group.WORLD,
-                           parallel="ep_all2all")
+                           parallel=mode)
             half = slice(rank * TOKENS // 2, (rank + 1) * TOKENS // 2)
             x, logits = x[half], logits[half]
         elif mode == "tp":
@@ -65,7 +65,7 @@ def run_rank(rank, mode, reduce_dtype, init_file, result_file):
 
 
 @pytest.mark.parametrize("reduce_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("mode", ["tp", "ep", "ep_all2all"])
+@pytest.mark.parametrize("mode", ["tp", "ep", "ep_all2all", "dp_allgather"])
 def test_two_ranks_sum_to_the_layer(tmp_path, mode, reduce_dtype):
     """fp32 partials (the default) are the whole layer's output up to fp32 summation order: the layer
     tolerance of the single-GPU tests; bf16 partials add one rounding per rank (relative L2 only)."""
@@ -78,7 +78,7 @@ def test_two_ranks_sum_to_the_layer(tmp_path, mode, reduce_dtype):
         case["hidden_states"].to("cuda:0"), case["router_logits"].to("cuda:0"), case["routing_bias"].to("cuda:0"))
     got = torch.load(result).float()
     want = whole.float().cpu()
-    if mode == "ep_all2all":  # rank 0's tokens; it has no partials, reduce_dtype does not apply
+    if mode in ("ep_all2all", "dp_allgather"):  # rank 0's tokens (reduce_dtype does not apply: fp32 always)
         want = want[:TOKENS // 2]
     assert torch.linalg.norm(got - want) <= 5e-3 * torch.linalg.norm(want), mode
     if reduce_dtype == torch.float32:

@@ -1,6 +1,7 @@
-"""All-to-all expert parallelism from Python (ctest label gpu): N virtual ranks on one GPU, one thread
-each, through fp4moe.ExpertParallelLayer and FusedMoE(parallel="ep_all2all", communicator=), and a
-one-rank torch.distributed NCCL group through FusedMoE(parallel="ep_all2all", process_group=). Every
+"""Expert parallelism from Python (ctest label gpu), both schemes (all_to_all, all_gather): N virtual
+ranks on one GPU, one thread each, through fp4moe.ExpertParallelLayer and FusedMoE(parallel=
+"ep_all2all" | "dp_allgather", communicator=), and a one-rank torch.distributed NCCL group through
+FusedMoE(parallel=..., process_group=). Every
 rank's ids and weights equal the whole layer's; its outputs are within the layer tolerance (each rank
 picks its own tactic: fp32 summation order, docs/numerics.md). Bad arguments raise fp4moe.Error."""
 
@@ -80,15 +81,17 @@ def expect_equal_to_whole(results, whole, label):
     expect_layer_close(out.float().cpu().numpy(), whole[0].float().cpu().numpy(), label)
 
 
+@pytest.mark.parametrize("scheme", ["all_to_all", "all_gather"])
 @pytest.mark.parametrize("ranks", [2, 4])
 @pytest.mark.parametrize("name", list(PROBLEMS))
-def test_virtual_ranks_equal_the_whole_layer(name, ranks):
+def test_virtual_ranks_equal_the_whole_layer(name, ranks, scheme):
     tokens = TOKENS[:ranks]
     problem, case, inputs = make_case(name, tokens, seed=ranks)
     whole = whole_layer(problem, case, inputs)
     comms = fp4moe.virtual_ranks(ranks, timeout_seconds=60)
-    layers = [fp4moe.ExpertParallelLayer(problem, case["weights"], comms[r], device=DEVICE, max_tokens=max(tokens))
-              for r in range(ranks)]
+    layers = [fp4moe.ExpertParallelLayer(problem, case["weights"], comms[r], device=DEVICE, max_tokens=max(tokens),
+                                         scheme=scheme) for r in range(ranks)]
+    assert all(layer.scheme == scheme for layer in layers)
     assert [layer.rank for layer in layers] == list(range(ranks))
     assert sum(layer.local_problem.num_experts for layer in layers) == problem.num_experts
 
@@ -99,7 +102,9 @@ def test_virtual_ranks_equal_the_whole_layer(name, ranks):
         stream.synchronize()
         return got
 
-    expect_equal_to_whole(on_ranks(tokens, rank), whole, f"{name} on {ranks} virtual ranks")
+    expect_equal_to_whole(on_ranks(tokens, rank), whole, f"{name} on {ranks} virtual ranks, {scheme}")
+    if scheme == "all_gather":
+        return
     # H/2 + H/16 bytes of FP4 values and scales per row copy in w4a4 (bf16 rows in w4a16), + 4 per local id.
     for layer in layers:
         traffic = layer.last_traffic()
@@ -110,13 +115,14 @@ def test_virtual_ranks_equal_the_whole_layer(name, ranks):
             assert traffic["dispatch_bytes"] == traffic["rows_sent"] * row
 
 
-def test_fused_moe_all2all_on_virtual_ranks_with_precomputed_routing():
+@pytest.mark.parametrize("parallel", ["ep_all2all", "dp_allgather"])
+def test_fused_moe_on_virtual_ranks_with_precomputed_routing(parallel):
     tokens = [20, 33]
     problem, case, inputs = make_case("deepseek_v3-w4a4_scalar", tokens, seed=5)
     whole = whole_layer(problem, case, inputs)
     routed = problem.with_routing_method("precomputed")
     comms = fp4moe.virtual_ranks(2, timeout_seconds=60)
-    modules = [FusedMoE(routed, case["weights"], device=DEVICE, max_tokens=64, parallel="ep_all2all",
+    modules = [FusedMoE(routed, case["weights"], device=DEVICE, max_tokens=64, parallel=parallel,
                         communicator=comms[r]) for r in range(2)]
 
     def rank(r, first, T):
@@ -127,10 +133,11 @@ def test_fused_moe_all2all_on_virtual_ranks_with_precomputed_routing():
         stream.synchronize()
         return out, ids, weights
 
-    expect_equal_to_whole(on_ranks(tokens, rank), whole, "FusedMoE ep_all2all, precomputed")
+    expect_equal_to_whole(on_ranks(tokens, rank), whole, f"FusedMoE {parallel}, precomputed")
 
 
-def test_fused_moe_all2all_over_a_one_rank_nccl_group(tmp_path):
+@pytest.mark.parametrize("parallel", ["ep_all2all", "dp_allgather"])
+def test_fused_moe_over_a_one_rank_nccl_group(tmp_path, parallel):
     import torch.distributed as dist
     problem, case, inputs = make_case("deepseek_v3-w4a4_scalar", [40], seed=9)
     whole = whole_layer(problem, case, inputs)
@@ -138,14 +145,14 @@ def test_fused_moe_all2all_over_a_one_rank_nccl_group(tmp_path):
                             device_id=torch.device(DEVICE))
     try:
         moe = FusedMoE(problem, case["weights"], device=DEVICE, max_tokens=64, process_group=dist.group.WORLD,
-                       parallel="ep_all2all")
-        assert "ep_all2all rank 0 of 1" in repr(moe)
+                       parallel=parallel)
+        assert f"{parallel} rank 0 of 1" in repr(moe)
         out, ids, weights = moe(inputs["hidden_states"], inputs["router_logits"], inputs["routing_bias"],
                                 return_routing=True)
         torch.cuda.synchronize()
     finally:
         dist.destroy_process_group()
-    expect_equal_to_whole([(out, ids, weights)], whole, "FusedMoE ep_all2all over NCCL, one rank")
+    expect_equal_to_whole([(out, ids, weights)], whole, f"FusedMoE {parallel} over NCCL, one rank")
 
 
 def test_bad_arguments_are_errors():
@@ -153,14 +160,16 @@ def test_bad_arguments_are_errors():
     comms = fp4moe.virtual_ranks(1)
     with pytest.raises(fp4moe.Error, match="parallel must be one of"):
         FusedMoE(problem, case["weights"], device=DEVICE, parallel="all2all")
-    with pytest.raises(fp4moe.Error, match="dp_allgather.*not built yet"):
+    with pytest.raises(fp4moe.Error, match="scheme must be 'all_to_all' or 'all_gather'"):
+        fp4moe.ExpertParallelLayer(problem, case["weights"], comms[0], device=DEVICE, scheme="ring")
+    with pytest.raises(fp4moe.Error, match="parallel='dp_allgather' needs exactly one of process_group"):
         FusedMoE(problem, case["weights"], device=DEVICE, parallel="dp_allgather")
     with pytest.raises(fp4moe.Error, match="exactly one of process_group"):
         FusedMoE(problem, case["weights"], device=DEVICE, parallel="ep_all2all")
     with pytest.raises(fp4moe.Error, match="expert_range"):
         FusedMoE(problem, case["weights"], device=DEVICE, parallel="ep_all2all", communicator=comms[0],
                  expert_range=(0, 4))
-    with pytest.raises(fp4moe.Error, match="communicator is for parallel='ep_all2all'"):
+    with pytest.raises(fp4moe.Error, match="communicator is for parallel='ep_all2all' or 'dp_allgather'"):
         FusedMoE(problem, case["weights"], device=DEVICE, communicator=comms[0])
     with pytest.raises(fp4moe.Error, match="parallel='tp' needs process_group"):
         FusedMoE(problem, case["weights"], device=DEVICE, parallel="tp")

@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <vector>
 
@@ -164,6 +165,21 @@ TEST(EpDispatch, ExpertParallelWeightsAreTheRanksExperts) {
   }
   EXPECT_THROW(expert_parallel_weights(nvfp4, reference::MoeWeights{}, 3, 3), Error);
   EXPECT_THROW(expert_parallel_weights(nvfp4, reference::MoeWeights{}, 0, 8), Error);
+}
+
+// The all-gather scheme's two host oracles, from their definitions.
+TEST(EpDispatch, LocalizeIdsAndSumPartialsInRankOrder) {
+  const std::vector<int32_t> ids = {0, 4, 5, 7, 8, -1, 16, 6};
+  EXPECT_EQ(ep::localize_ids(ids.data(), 8, 4, 3), (std::vector<int32_t>{-1, 0, 1, -1, -1, -1, -1, 2}));
+  // fp32 adds in rank order: (1e8 + 1) - 1e8 = 0 in fp32, where another order would give 1.
+  const std::vector<float> partials = {1e8f, 2.0f, 1.0f, 3.0f, -1e8f, 4.0f};  // 3 ranks, T = 1, H = 2
+  const std::vector<float> sum = ep::sum_partials(partials.data(), 3, 1, 2);
+  EXPECT_EQ(sum[0], (1e8f + 1.0f) + -1e8f);
+  EXPECT_EQ(sum[1], 9.0f);
+  const std::vector<int32_t> token_ids = {3, 16};  // T = 1, k = 2: 16 is outside [0, 16)
+  const std::vector<float> bad = ep::sum_partials(partials.data(), 3, 1, 2, token_ids.data(), 2, 16);
+  EXPECT_TRUE(std::isnan(bad[0]) && std::isnan(bad[1]));
+  EXPECT_STREQ(to_string(ExpertParallelScheme::AllGather), "all_gather");
 }
 
 TEST(EpDispatch, PackGathersTheRowsOfOneRank) {

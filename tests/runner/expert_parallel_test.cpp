@@ -1,4 +1,5 @@
-// tests/runner/expert_parallel_test.cpp — the expert-parallel layer with all-to-all dispatch and combine
+// tests/runner/expert_parallel_test.cpp — the expert-parallel layer with all-to-all dispatch and combine,
+// and its all-gather scheme (ExpertParallelAllGather.*: within the layer tolerance, exact on one rank)
 // (fp4moe/expert_parallel.hpp) on N virtual ranks of one GPU, against the single-GPU layer on the same
 // tokens: with every rank's experts on the single layer's tactic the outputs, ids and weights are equal
 // bit for bit (docs/numerics.md, "Expert parallelism"); with each rank's own tactic, within the layer
@@ -458,6 +459,122 @@ TEST(ExpertParallelNccl, OneAndTwoGpusEqualTheSingleLayer) {
     const std::vector<int64_t> tokens = {37, 300};
     expect_equal_to_single_layer(make_case(p, tokens, 9100), tokens, make_nccl_ranks({0, 1}), {0, 1});
     if (HasFatalFailure()) return;
+  }
+}
+
+// ---- ExpertParallelScheme::AllGather -----------------------------------------------------------------
+// The ranks against the single layer on its tactic: ids and weights bit for bit; the output within the
+// layer tolerance (each rank sums its own slots of a token, the token's rank sums the ranks' fp32
+// partials: another fp32 order), bit for bit on one rank.
+void expect_all_gather_close_to_single_layer(const io::MoeCase& c, const std::vector<int64_t>& tokens) {
+  const std::string what = "all_gather " + label(c.problem, int(tokens.size()), tokens);
+  const SingleLayer single = run_single(c);
+  ExpertParallelOptions options;
+  options.scheme = ExpertParallelScheme::AllGather;
+  options.tactic = single.tactic;
+  VirtualRun run(c, tokens, options);
+  run.forward();
+  for (const Rank& rk : run.ranks) ASSERT_TRUE(rk.status.ok()) << what << ": " << rk.status.message;
+  const SingleLayer ep = run.gathered();
+  ASSERT_EQ(ep.ids, single.ids) << what;
+  ASSERT_EQ(std::memcmp(ep.weights.data(), single.weights.data(), ep.weights.size() * 4), 0) << what;
+  if (tokens.size() == 1) {
+    EXPECT_EQ(ep.output, single.output) << what << ": one rank is the single layer";
+    return;
+  }
+  test::expect_output_matches(ep.output, single.output, c.num_tokens, c.problem.hidden, what);
+}
+
+TEST(ExpertParallelAllGather, EveryModeAndRoutingMethodIsCloseToTheSingleLayer) {
+  SKIP_WITHOUT_GPU();
+  uint64_t seed = 11000;
+  int turn = 0;
+  constexpr int kRanks[4] = {2, 4, 8, 1};
+  constexpr int64_t kTokens[3] = {37, 0, 1};
+  for (ActQuant mode : {ActQuant::W4A16, ActQuant::W4A4Scalar, ActQuant::W4A4PerExpert})
+    for (RoutingMethod m : {RoutingMethod::Default, RoutingMethod::Renormalize, RoutingMethod::RenormalizeNaive,
+                            RoutingMethod::TopK, RoutingMethod::Sigmoid, RoutingMethod::SigmoidRenorm,
+                            RoutingMethod::TopKSigmoid, RoutingMethod::Llama4, RoutingMethod::DeepSeekV3,
+                            RoutingMethod::Precomputed}) {
+      const int N = kRanks[turn++ % 4];
+      std::vector<int64_t> tokens(static_cast<size_t>(N));
+      for (int r = 0; r < N; ++r) tokens[r] = kTokens[r % 3];
+      const MoeProblem p = small_problem(mode, m);
+      expect_all_gather_close_to_single_layer(make_case(p, tokens, ++seed), tokens);
+      if (HasFatalFailure()) return;
+    }
+}
+
+TEST(ExpertParallelAllGather, FourThousandTokensPerRankOnTwoFourAndEightRanks) {
+  SKIP_WITHOUT_GPU();
+  const ActQuant modes[3] = {ActQuant::W4A4Scalar, ActQuant::W4A16, ActQuant::W4A4PerExpert};
+  int i = 0;
+  for (int N : {2, 4, 8}) {
+    const MoeProblem p = small_problem(modes[i++], RoutingMethod::Renormalize);
+    const std::vector<int64_t> tokens(size_t(N), 4096);
+    expect_all_gather_close_to_single_layer(make_case(p, tokens, 12000 + N), tokens);
+    if (HasFatalFailure()) return;
+  }
+}
+
+TEST(ExpertParallelAllGather, ExpertsOfOneRankOnlyBiasesAndMxfp4Weights) {
+  SKIP_WITHOUT_GPU();
+  for (ActQuant mode : {ActQuant::W4A16, ActQuant::W4A4PerExpert}) {
+    const MoeProblem p = small_problem(mode, RoutingMethod::Precomputed);
+    const std::vector<int64_t> tokens = {37, 1, 0, 300};
+    expect_all_gather_close_to_single_layer(make_case(p, tokens, 13000, /*all_on_rank=*/2), tokens);
+    if (HasFatalFailure()) return;
+  }
+  MoeProblem p = small_problem(ActQuant::W4A16, RoutingMethod::Renormalize);
+  p.activation.kind = Activation::SwiGLUOai;
+  p.hidden = 512;
+  p.inter = 320;
+  for (WeightFormat f : {WeightFormat::NVFP4, WeightFormat::MXFP4}) {
+    p.weight_format = f;
+    const std::vector<int64_t> tokens = {37, 1, 64};
+    expect_all_gather_close_to_single_layer(make_case(p, tokens, 13100, -1, /*biases=*/true), tokens);
+    if (HasFatalFailure()) return;
+  }
+}
+
+// Rows and ids to every rank, every gathered token's fp32 partial back; a group with more rows than the
+// receive capacity fails on every rank with the same message.
+TEST(ExpertParallelAllGather, TrafficAndReceiveCapacity) {
+  SKIP_WITHOUT_GPU();
+  for (ActQuant mode : {ActQuant::W4A4Scalar, ActQuant::W4A16, ActQuant::W4A4PerExpert}) {
+    const MoeProblem p = small_problem(mode, RoutingMethod::Precomputed);
+    const std::vector<int64_t> tokens = {37, 100, 0, 5};
+    const int N = int(tokens.size());
+    const io::MoeCase c = make_case(p, tokens, 14000);
+    ExpertParallelOptions options;
+    options.scheme = ExpertParallelScheme::AllGather;
+    VirtualRun run(c, tokens, options);
+    run.forward();
+    const int64_t H = p.hidden, k = p.top_k(), G = c.num_tokens;
+    const int64_t per_token = mode == ActQuant::W4A4PerExpert ? k : 1;  // rows per token
+    const int64_t row_bytes = mode == ActQuant::W4A16 ? 2 * H : H / 2 + H / 16;
+    for (int r = 0; r < N; ++r) {
+      ASSERT_TRUE(run.ranks[r].status.ok()) << run.ranks[r].status.message;
+      const ExpertParallelTraffic t = run.ranks[r].layer->last_traffic();
+      const int64_t S = tokens[r] * per_token;
+      EXPECT_EQ(t.rows_sent, S * N) << "rank " << r;
+      EXPECT_EQ(t.rows_received, G * per_token) << "rank " << r;
+      EXPECT_EQ(t.dispatch_bytes, N * (S * row_bytes + tokens[r] * 8 * k)) << "rank " << r;
+      EXPECT_EQ(t.combine_bytes, G * 4 * H) << "rank " << r;
+    }
+  }
+  const MoeProblem p = small_problem(ActQuant::W4A4Scalar, RoutingMethod::Precomputed);
+  const std::vector<int64_t> tokens = {40, 40};
+  ExpertParallelOptions options;
+  options.scheme = ExpertParallelScheme::AllGather;
+  options.receive_capacity_rows = 60;
+  VirtualRun run(make_case(p, tokens, 14100), tokens, options);
+  run.forward();
+  for (const Rank& rk : run.ranks) {
+    ASSERT_FALSE(rk.status.ok());
+    EXPECT_NE(rk.status.message.find("the group's 80 tokens are 80 rows, over the receive capacity of 60 rows"),
+              std::string::npos)
+        << rk.status.message;
   }
 }
 

@@ -165,6 +165,9 @@ TEST(Cli, BenchAllToAllOptionsAreCheckedBeforeAnyGpuWork) {
   EXPECT_NE(bad.status, 0);
   EXPECT_THAT(bad.output, HasSubstr("--parallel"));
   EXPECT_THAT(cli("bench --help").output, HasSubstr("ep_all2all"));
+  const CliRun g = cli("bench --model tiny --tokens 1 --ep-size 2 --parallel dp_allgather --tactic sm90_stream/t16/s1");
+  EXPECT_EQ(g.status, 2);
+  EXPECT_THAT(g.output, HasSubstr("bench --parallel dp_allgather: --tactic is not supported"));
 }
 
 TEST(Cli, BenchHelpNamesBothL2Flushes) {
