@@ -118,7 +118,8 @@ const char* to_string(ExpertParallelScheme scheme);
 
 struct ExpertParallelOptions {
   // Rows one rank can receive in a forward (buffers sized once); a forward in which some rank would get
-  // more fails on every rank before any row is sent. 0: size() * max_tokens (a rank may get every row).
+  // more fails on every rank before any row is sent. 0: size() * max_tokens (a rank may get every row
+  // when every rank's max_tokens is this one's; AllGather: every rank gets every row).
   int64_t receive_capacity_rows = 0;
   // Every rank's experts run this tactic (tests: the single-GPU layer's, for identical bits); nullopt:
   // each rank's selector for its own load.

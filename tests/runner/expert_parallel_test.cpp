@@ -132,6 +132,7 @@ struct VirtualRun {
     EXPECT_EQ(cudaGetDevice(&current), cudaSuccess);
     device.assign(size_t(N), current);
     for (size_t r = 0; r < devices.size() && r < size_t(N); ++r) device[r] = devices[r];
+    const int64_t group_max = *std::max_element(tokens.begin(), tokens.end());
     int64_t first = 0;
     for (int r = 0; r < N; ++r) {
       Rank& rk = ranks[r];
@@ -139,7 +140,9 @@ struct VirtualRun {
       rk.T = tokens[r];
       first += tokens[r];
       EXPECT_EQ(cudaSetDevice(device[r]), cudaSuccess);
-      rk.layer = ExpertParallelLayer::create(p, max_tokens >= 0 ? max_tokens : rk.T, *comms[r], options, device[r]);
+      // NOTE: every rank the group's largest T, as a deployment gives every rank the same max_tokens: the
+      // default receive capacity, size() * max_tokens rows, then holds whatever a rank receives.
+      rk.layer = ExpertParallelLayer::create(p, max_tokens >= 0 ? max_tokens : group_max, *comms[r], options, device[r]);
       const auto [begin, end] = io::expert_range(E, r, N);
       rk.local.emplace(c, begin, end, std::vector<int32_t>{});
       ExpertParallelWeights w;
