@@ -19,6 +19,7 @@
 #include <cmath>
 #include <cstdio>
 #include <functional>
+#include <numeric>
 #include <set>
 #include <thread>
 #include <vector>
@@ -622,10 +623,12 @@ struct EpSteps {
 };
 
 // One rank's thread: `steps` forwards, each started and ended together with the other ranks'.
-void run_ep_rank_steps(EpSteps& run, ExpertParallelLayer& layer, ExpertParallelArgs args, int rank, int ranks) {
+void run_ep_rank_steps(EpSteps& run, ExpertParallelLayer& layer, ExpertParallelArgs args, int rank, int ranks,
+                       int device) {
   std::string& error = run.errors[size_t(rank)];
   cudaStream_t stream = nullptr;
-  if (cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) != cudaSuccess) error = "cudaStreamCreate failed";
+  if (cudaSetDevice(device) != cudaSuccess || cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) != cudaSuccess)
+    error = "cudaStreamCreate failed";
   for (int i = 0; i < run.steps; ++i) {
     run.sync->arrive_and_wait();
     const auto t0 = std::chrono::steady_clock::now();
@@ -645,8 +648,10 @@ void run_ep_rank_steps(EpSteps& run, ExpertParallelLayer& layer, ExpertParallelA
 }  // namespace
 
 std::vector<EpAllToAllRow> bench_ep_all2all(const std::string& model, const MoeProblem& p,
-                                            const std::vector<int64_t>& tokens, int ranks, const BenchOptions& opt,
-                                            bool progress, ExpertParallelScheme scheme) {
+                                            const std::vector<int64_t>& tokens, const EpBenchGroup& group,
+                                            const BenchOptions& opt, bool progress) {
+  const int ranks = group.ranks;
+  const ExpertParallelScheme scheme = group.scheme;
   check(ranks >= 1 && ranks <= p.num_experts, "bench --parallel ep_all2all/dp_allgather: --ep-size must be in [1, E = ", p.num_experts,
         "], got ", ranks);
   check(p.routing.method != RoutingMethod::Precomputed,
@@ -656,17 +661,30 @@ std::vector<EpAllToAllRow> bench_ep_all2all(const std::string& model, const MoeP
   for (int64_t t : tokens) check(t >= 1, "bench: token counts must be >= 1, got ", t);
   const int64_t max_t = *std::max_element(tokens.begin(), tokens.end());
   const int64_t H = p.hidden, E = p.num_experts, k = p.top_k();
-  if (progress) std::fprintf(stderr, "bench %s: preparing random weights for %d virtual ranks ...\n", model.c_str(), ranks);
+  if (group.nccl) {
+    int count = 0;
+    ck(cudaGetDeviceCount(&count), "cudaGetDeviceCount");
+    check(count >= ranks, "bench --nccl: ", ranks, " ranks need ", ranks, " GPUs; this machine has ", count);
+  }
+  if (progress)
+    std::fprintf(stderr, "bench %s: preparing random weights for %d %s ...\n", model.c_str(), ranks,
+                 group.nccl ? "NCCL ranks (one per GPU)" : "virtual ranks");
   io::MoeCase whole = io::make_random_packed_case(p, 0, opt.seed);
   if (opt.expert_biases) io::add_random_expert_biases(whole, opt.seed);
-  std::vector<std::unique_ptr<Communicator>> comms = make_virtual_ranks(ranks);
+  std::vector<int> devices(size_t(ranks), -1);  // -1: the current GPU (virtual ranks)
+  if (group.nccl) std::iota(devices.begin(), devices.end(), 0);
+  std::vector<std::unique_ptr<Communicator>> comms = group.nccl ? make_nccl_ranks(devices) : make_virtual_ranks(ranks);
+  int current = 0;
+  ck(cudaGetDevice(&current), "cudaGetDevice");
+  auto use_device = [&](int r) { ck(cudaSetDevice(devices[r] >= 0 ? devices[r] : current), "cudaSetDevice"); };
   std::vector<std::unique_ptr<ExpertParallelLayer>> layers;
   std::vector<std::unique_ptr<DeviceBuffer>> hidden, logits, bias, ids, wts, out;
   for (int r = 0; r < ranks; ++r) {
     ExpertParallelOptions lo;
     lo.time_stages = true;
     lo.scheme = scheme;
-    layers.push_back(ExpertParallelLayer::create(p, max_t, *comms[r], lo));
+    use_device(r);
+    layers.push_back(ExpertParallelLayer::create(p, max_t, *comms[r], lo, devices[r]));
     const ExpertParallelWeights w = expert_parallel_weights(p, whole.weights(), r, ranks);
     if (Status s = layers.back()->prepare_weights(w); !s.ok()) throw Error(s.message);
     hidden.push_back(std::make_unique<DeviceBuffer>(size_t(max_t * H * 2), "bench hidden"));
@@ -676,6 +694,7 @@ std::vector<EpAllToAllRow> bench_ep_all2all(const std::string& model, const MoeP
     wts.push_back(std::make_unique<DeviceBuffer>(size_t(max_t * k * 4), "bench weights"));
     out.push_back(std::make_unique<DeviceBuffer>(size_t(max_t * H * 2), "bench output"));
   }
+  ck(cudaSetDevice(current), "cudaSetDevice");
   std::vector<EpAllToAllRow> rows;
   for (int64_t T : tokens) {
     std::vector<LayerInputs> in;
@@ -704,7 +723,8 @@ std::vector<EpAllToAllRow> bench_ep_all2all(const std::string& model, const MoeP
       a.topk_ids = ids[r]->as<int32_t>();
       a.topk_weights = wts[r]->as<float>();
       a.output = out[r]->ptr;
-      threads.emplace_back(run_ep_rank_steps, std::ref(run), std::ref(*layers[r]), a, r, ranks);
+      threads.emplace_back(run_ep_rank_steps, std::ref(run), std::ref(*layers[r]), a, r, ranks,
+                           devices[r] >= 0 ? devices[r] : current);
     }
     for (std::thread& t : threads) t.join();
     const std::vector<std::string>& errors = run.errors;

@@ -139,6 +139,9 @@ void add_bench_command(CLI::App& app, BenchCommandOptions& o) {
                 "puts on the wire; dp_allgather the same for the layer's all-gather scheme")
       ->check(CLI::IsMember({"ep_allreduce", "ep_all2all", "dp_allgather"}))
       ->capture_default_str();
+  b->add_flag("--nccl", o.nccl,
+              "With --parallel ep_all2all or dp_allgather: one rank per GPU (GPUs 0..N-1) over NCCL instead of "
+              "virtual ranks sharing one GPU");
   b->add_flag("--expert-biases", o.expert_biases,
               "Presets: random expert biases (w13_bias, w2_bias, as gpt-oss has) on the random weights");
   b->add_flag("--no-refcheck", o.no_refcheck,
@@ -156,22 +159,25 @@ int run_ep_all2all(const BenchCommandOptions& o, const std::vector<std::string>&
   check(o.tp_size == 1, what, ": --tp-size is not supported with it");
   check(o.json.empty() && o.csv.empty(), what, ": --json and --csv are not written for it yet; read the table");
   check(o.tactic.empty(), what, ": --tactic is not supported with it (each rank's selector chooses)");
-  const ExpertParallelScheme scheme =
-      o.parallel == "dp_allgather" ? ExpertParallelScheme::AllGather : ExpertParallelScheme::AllToAll;
+  EpBenchGroup group;
+  group.ranks = o.ep_size;
+  group.scheme = o.parallel == "dp_allgather" ? ExpertParallelScheme::AllGather : ExpertParallelScheme::AllToAll;
+  group.nccl = o.nccl;
   BenchOptions opt;
   opt.reps = o.reps;
   opt.refcheck = !o.no_refcheck;
   opt.expert_biases = o.expert_biases;
-  std::printf("expert parallelism, %s: %d virtual ranks sharing one GPU; a step is every rank's forward "
-              "(host wall time, stream synchronised; no L2 flush). dispatch/experts/combine: the slowest rank's device "
-              "time of the stage (events), the exchanges excluded; exch: the exchanges with their waits for the "
-              "other ranks (device copies here, not a network)\n", to_string(scheme), o.ep_size);
+  std::printf("expert parallelism, %s: %d %s; a step is every rank's forward (host wall time, stream "
+              "synchronised; no L2 flush). dispatch/experts/combine: the slowest rank's device time of the stage "
+              "(events), the exchanges excluded; exch: the exchanges with their waits for the other ranks (%s)\n",
+              to_string(group.scheme), o.ep_size, o.nccl ? "ranks, one per GPU, over NCCL" : "virtual ranks sharing one GPU",
+              o.nccl ? "NCCL" : "device copies here, not a network");
   std::printf("\n%-16s %-16s %3s %7s %10s %10s %9s %9s %9s %9s %10s %10s %10s %12s\n", "model", "mode", "N", "T/rank",
               "median_us", "min_us", "dispatch", "experts", "combine", "exch", "rows_sent", "B/row", "expected",
               "combine_MB");
   for (const auto& m : models) {
     const MoeProblem p = preset_of(m);
-    for (const EpAllToAllRow& r : bench_ep_all2all(m, p, tokens, o.ep_size, opt, true, scheme))
+    for (const EpAllToAllRow& r : bench_ep_all2all(m, p, tokens, group, opt, true))
       std::printf("%-16s %-16s %3d %7lld %10.1f %10.1f %9.1f %9.1f %9.1f %9.1f %10lld %10.1f %10lld %12.2f\n",
                   r.model.c_str(), std::string(to_string(r.mode)).c_str(), r.ranks,
                   static_cast<long long>(r.tokens_per_rank), r.median_us, r.min_us, r.dispatch_us, r.experts_us,
@@ -216,6 +222,7 @@ int run_bench_command(const BenchCommandOptions& o) {
     layer->problem.validate();  // e.g. an explicit w4a4 mode on MXFP4 weights
   }
 
+  check(!o.nccl || o.parallel != "ep_allreduce", "bench --nccl: give --parallel ep_all2all or dp_allgather with it");
   if (o.parallel == "ep_all2all" || o.parallel == "dp_allgather") return run_ep_all2all(o, models, tokens, preset_of);
 
   std::fprintf(stderr, "bench: measuring ceilings ...\n");

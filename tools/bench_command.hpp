@@ -24,6 +24,7 @@ struct BenchCommandOptions {
   int tp_size = 1;         // time tensor-parallel rank 0's layer (its share of I) instead of the whole layer
   bool expert_biases = false;  // presets: random expert biases (gpt-oss) on the random weights
   int ep_size = 1;         // presets: time expert-parallel rank 0's layer (BenchOptions::ep_size)
+  bool nccl = false;       // with ep_all2all / dp_allgather: one rank per GPU over NCCL
   std::string parallel = "ep_allreduce";  // with ep_size: ep_allreduce (rank 0's layer) or ep_all2all
   std::string checkpoint;  // instead of --model: a checkpoint directory ...
   int64_t layer = -1;      // ... and its MoE layer

@@ -170,10 +170,16 @@ struct EpAllToAllRow {
   // row and 8 * rows_top_k (the token's k ids and weights over its k / rows_top_k rows)
   int64_t row_bytes_expected = 0;
 };
+// The group a bench_ep_all2all runs: `ranks` virtual ranks sharing the current GPU, or (nccl) one rank
+// per GPU 0..ranks-1 over NCCL (make_nccl_ranks), where the exchanges are the real wire.
+struct EpBenchGroup {
+  int ranks = 1;
+  ExpertParallelScheme scheme = ExpertParallelScheme::AllToAll;
+  bool nccl = false;
+};
 std::vector<EpAllToAllRow> bench_ep_all2all(const std::string& model, const MoeProblem& problem,
-                                            const std::vector<int64_t>& tokens, int ranks,
-                                            const BenchOptions& options, bool progress = true,
-                                            ExpertParallelScheme scheme = ExpertParallelScheme::AllToAll);
+                                            const std::vector<int64_t>& tokens, const EpBenchGroup& group,
+                                            const BenchOptions& options, bool progress = true);
 
 // ---- tuning (`fp4moe tune`) ----
 struct TuneProfileOptions {

@@ -24,8 +24,8 @@ std::vector<BenchRow> bench_weights(const std::string&, const MoeProblem&, const
   unavailable("bench");
 }
 
-std::vector<EpAllToAllRow> bench_ep_all2all(const std::string&, const MoeProblem&, const std::vector<int64_t>&, int,
-                                            const BenchOptions&, bool, ExpertParallelScheme) {
+std::vector<EpAllToAllRow> bench_ep_all2all(const std::string&, const MoeProblem&, const std::vector<int64_t>&,
+                                            const EpBenchGroup&, const BenchOptions&, bool) {
   unavailable("bench");
 }
 

@@ -23,6 +23,7 @@
 #include "fp4moe/expert_parallel.hpp"
 #include "fp4moe/runner.hpp"
 #include "layout_fixtures.hpp"
+#include "small_problem.hpp"
 #include "runner/device_buffer.hpp"
 #include "runner/ep_dispatch.hpp"
 #include "runner/layer_buffers.hpp"
@@ -37,22 +38,7 @@ namespace {
     if (!cuda_device_available(&why_)) GTEST_SKIP() << why_; \
   } while (0)
 
-MoeProblem small_problem(ActQuant mode, RoutingMethod method) {
-  MoeProblem p;
-  p.num_experts = 16;
-  p.hidden = 256;
-  p.inter = 128;
-  p.routing.method = method;
-  p.routing.top_k = method == RoutingMethod::Llama4 ? 1 : 4;
-  p.routing.apply_router_weight_on_input = method == RoutingMethod::Llama4;
-  if (method == RoutingMethod::DeepSeekV3) {
-    p.routing.n_group = 4;
-    p.routing.topk_group = 2;
-    p.routing.routed_scaling_factor = 2.5f;
-  }
-  p.act_quant = mode;
-  return p;
-}
+using test::small_problem;
 
 std::string label(const MoeProblem& p, int N, const std::vector<int64_t>& tokens) {
   std::string s = std::string(to_string(p.act_quant)) + " " + std::string(to_string(p.routing.method)) + " N=" +

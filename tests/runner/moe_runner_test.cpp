@@ -29,6 +29,7 @@
 #include "fp4moe/reference.hpp"
 #include "fp4moe/runner.hpp"
 #include "layout_fixtures.hpp"
+#include "small_problem.hpp"
 #include "runner/device_buffer.hpp"
 #include "runner/layer_buffers.hpp"
 #include "runner/output_match.hpp"
@@ -122,20 +123,7 @@ class LayerSmall : public ::testing::TestWithParam<SmallCase> {};
 TEST_P(LayerSmall, MatchesReference) {
   SKIP_WITHOUT_GPU();
   const SmallCase& sc = GetParam();
-  MoeProblem p;
-  p.num_experts = 16;
-  p.hidden = 256;
-  p.inter = 96;  // not a multiple of the GEMM tiles
-  p.routing.method = sc.method;
-  p.routing.top_k = (sc.method == RoutingMethod::Llama4) ? 1 : 4;
-  if (sc.method == RoutingMethod::DeepSeekV3) {
-    p.routing.n_group = 4;
-    p.routing.topk_group = 2;
-    p.routing.routed_scaling_factor = 2.5f;
-  }
-  p.routing.apply_router_weight_on_input = sc.method == RoutingMethod::Llama4;
-  p.activation.kind = sc.act;
-  p.act_quant = sc.mode;
+  const MoeProblem p = test::small_problem(sc.mode, sc.method, sc.act);
   expect_layer_matches(random_case(p, 37, 7), std::string(to_string(sc.method)));
 }
 

@@ -21,6 +21,7 @@
 #include "fp4moe/tune.hpp"
 #include "runner/device_buffer.hpp"
 #include "runner/layer_buffers.hpp"
+#include "small_problem.hpp"
 
 namespace fp4moe {
 namespace {
@@ -126,23 +127,7 @@ struct StageRig {
   std::optional<DeviceBuffer> values, scales, y, out;
 };
 
-MoeProblem small_problem(ActQuant mode, RoutingMethod method, Activation act) {
-  MoeProblem p;
-  p.num_experts = 16;
-  p.hidden = 256;
-  p.inter = 96;
-  p.routing.method = method;
-  p.routing.top_k = method == RoutingMethod::Llama4 ? 1 : 4;
-  p.routing.apply_router_weight_on_input = method == RoutingMethod::Llama4;
-  if (method == RoutingMethod::DeepSeekV3) {
-    p.routing.n_group = 4;
-    p.routing.topk_group = 2;
-    p.routing.routed_scaling_factor = 2.5f;
-  }
-  p.activation.kind = act;
-  p.act_quant = mode;
-  return p;
-}
+using test::small_problem;
 
 void expect_stages_equal_fused(const io::MoeCase& c, std::optional<MoeTactic> tactic, ScaleLayout layout,
                                const std::string& label) {

@@ -168,6 +168,9 @@ TEST(Cli, BenchAllToAllOptionsAreCheckedBeforeAnyGpuWork) {
   const CliRun g = cli("bench --model tiny --tokens 1 --ep-size 2 --parallel dp_allgather --tactic sm90_stream/t16/s1");
   EXPECT_EQ(g.status, 2);
   EXPECT_THAT(g.output, HasSubstr("bench --parallel dp_allgather: --tactic is not supported"));
+  const CliRun n = cli("bench --model tiny --tokens 1 --ep-size 2 --nccl");
+  EXPECT_EQ(n.status, 2);
+  EXPECT_THAT(n.output, HasSubstr("bench --nccl: give --parallel ep_all2all or dp_allgather with it"));
 }
 
 TEST(Cli, BenchHelpNamesBothL2Flushes) {
