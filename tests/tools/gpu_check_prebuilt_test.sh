@@ -61,6 +61,7 @@ grep -qx "sanitizer memcheck" "$work/calls" || { echo "FAIL: memcheck not run"; 
 grep -qx "sanitizer racecheck" "$work/calls" || { echo "FAIL: racecheck not run"; fail=1; }
 grep -q '^tests --gtest_filter=.*\*Ragged\*' "$work/calls" || { echo "FAIL: the sanitizer subset lacks the ragged cases"; fail=1; }
 grep -qx "fp4moe demo --device cuda" "$work/calls" || { echo "FAIL: demo not run"; fail=1; }
+grep -qxE "tests ?" "$work/calls" || { echo "FAIL: the gpu-tests step must run every test without FP4MOE_GPU_TEST_FILTER"; fail=1; }
 grep -qE "^python-gpu +PASS .*; 3 passed, 1 skipped in 0.10s$" "$summary" || { echo "FAIL: no pytest counts in the python-gpu row"; fail=1; }
 target="$(sed -n 's/^python -m pip install --no-build-isolation --no-deps --no-index .*--target \([^ ]*\) .* \/.*$/\1/p' "$work/calls")"
 grep -qE "^python -m pip install --no-build-isolation --no-deps --no-index .* $root\$" "$work/calls" && [ -n "$target" ] ||
@@ -86,6 +87,10 @@ PATH="$work/bin:$PATH" TMPDIR="$work" "$root/scripts/gpu-check" --prebuilt "$wor
   >"$work/log-killed" 2>&1 && { echo "FAIL: the stand-in did not kill gpu-check"; fail=1; }
 tar -tzf "$work/out-killed/results.tgz" >"$work/packed-killed" 2>/dev/null || { echo "FAIL: the killed run left no results.tgz"; fail=1; }
 grep -qx "./gpu-tests.log" "$work/packed-killed" || { echo "FAIL: the killed run's results.tgz lacks gpu-tests.log"; fail=1; }
+FP4MOE_GPU_TEST_FILTER='-ExpertParallel*' PATH="$work/bin:$PATH" "$root/scripts/gpu-check" --prebuilt "$work/pre-0" \
+  "$work/out-filter" >"$work/log-filter" 2>&1 || { echo "FAIL: gpu-check with FP4MOE_GPU_TEST_FILTER exited non-zero"; fail=1; }
+grep -qx -- "tests --gtest_filter=-ExpertParallel\*" "$work/calls" ||
+  { echo "FAIL: FP4MOE_GPU_TEST_FILTER does not reach the gpu-tests step"; fail=1; }
 if "$root/scripts/gpu-check" --prebuilt "$work/none" "$work/out2" >/dev/null 2>&1; then
   echo "FAIL: gpu-check accepted a folder without base/fp4moe_gpu_tests.xz"; fail=1
 fi
