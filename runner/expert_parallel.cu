@@ -126,6 +126,7 @@ class GpuExpertParallelLayer final : public ExpertParallelLayer {
         local_(rank_problem(p, rank_, N_)),
         first_expert_(io::expert_range(p.num_experts, rank_, N_).first),
         scheme_(options.scheme) {
+    const ScopedDevice on(device_);  // every buffer below on the layer's GPU
     const int64_t k = p.top_k(), H = p.hidden;
     const StageRowsShape one = runner::stage_rows_shape(p, 1, ScaleLayout::Linear);
     rows_top_k_ = one.rows.rows_top_k;
@@ -189,6 +190,12 @@ class GpuExpertParallelLayer final : public ExpertParallelLayer {
   int rows_top_k() const override { return rows_top_k_; }
 
   Status prepare_weights(const ExpertParallelWeights& w, const WeightPrepOptions& options) override {
+    std::optional<ScopedDevice> on;
+    try {
+      on.emplace(device_);
+    } catch (const Error& e) {
+      return Status::failure(detail::concat("ExpertParallelLayer::prepare_weights: ", e.what()));
+    }
     const MoeProblem& p = problem_;
     const int64_t E = p.num_experts, H = p.hidden;
     const bool w4a4 = p.act_quant != ActQuant::W4A16;

@@ -23,4 +23,20 @@ inline cudaDeviceProp require_hopper_device(int& device, const char* who) {
   return prop;
 }
 
+// `device` current for a scope, the caller's device again after it: a constructor's allocations land on
+// the object's GPU whatever device the caller has current.
+class ScopedDevice {
+ public:
+  explicit ScopedDevice(int device) {
+    check(cudaGetDevice(&previous_) == cudaSuccess && cudaSetDevice(device) == cudaSuccess, "cudaSetDevice(", device,
+          ") failed");
+  }
+  ~ScopedDevice() { cudaSetDevice(previous_); }
+  ScopedDevice(const ScopedDevice&) = delete;
+  ScopedDevice& operator=(const ScopedDevice&) = delete;
+
+ private:
+  int previous_ = 0;
+};
+
 }  // namespace fp4moe
