@@ -375,19 +375,8 @@ class GpuExpertParallelLayer final : public ExpertParallelLayer {
     if (cudaError_t e = mark(kDispatched); e != cudaSuccess) return Status::failure(cuda_message("cudaEventRecord", e));
 
     // 5. experts on the received rows
-    ExpertsArgs ea;
-    ea.rows.num_rows = R;
-    ea.rows.rows_top_k = rk;
-    ea.rows.format = format_;
-    ea.rows.scale_layout = ScaleLayout::Linear;
-    ea.rows.values = recv_values_->ptr;
-    ea.rows.scales = scale_bytes_ > 0 ? recv_scales_->ptr : nullptr;
-    ea.topk_ids = recv_ids_->as<int32_t>();
-    ea.y = y_recv_->as<float>();
-    ea.workspace = workspace_->ptr;
-    ea.workspace_bytes = workspace_bytes_;
     if (R > 0)
-      if (Status s = runner_->experts(stream, ea); !s.ok()) return s;
+      if (Status s = run_experts(stream, R, recv_ids_->as<int32_t>()); !s.ok()) return s;
     if (cudaError_t e = mark(kExpertsDone); e != cudaSuccess) return Status::failure(cuda_message("cudaEventRecord", e));
 
     // 6. combine: the computed entries back to their sources, then into entry order
@@ -435,6 +424,23 @@ class GpuExpertParallelLayer final : public ExpertParallelLayer {
   }
 
  private:
+  // The rank's experts on the received rows (recv_values_ / recv_scales_) with their local ids [rows,
+  // rows_top_k] into y_recv_.
+  Status run_experts(cudaStream_t stream, int64_t rows, const int32_t* ids) {
+    ExpertsArgs ea;
+    ea.rows.num_rows = rows;
+    ea.rows.rows_top_k = rows_top_k_;
+    ea.rows.format = format_;
+    ea.rows.scale_layout = ScaleLayout::Linear;
+    ea.rows.values = recv_values_->ptr;
+    ea.rows.scales = scale_bytes_ > 0 ? recv_scales_->ptr : nullptr;
+    ea.topk_ids = ids;
+    ea.y = y_recv_->as<float>();
+    ea.workspace = workspace_->ptr;
+    ea.workspace_bytes = workspace_bytes_;
+    return runner_->experts(stream, ea);
+  }
+
   cudaError_t record(StageEvent ev, cudaStream_t stream) { return events_ ? events_->record(ev, stream) : cudaSuccess; }
 
   // ExpertParallelScheme::AllGather, after route and prepare (S rows of this rank's T tokens in
@@ -483,19 +489,9 @@ class GpuExpertParallelLayer final : public ExpertParallelLayer {
     li.local = local_ids_->as<int32_t>();
     if (cudaError_t e = kernels::launch_localize_ids(li, stream); e != cudaSuccess)
       return Status::failure(cuda_message("localize_ids", e));
-    ExpertsArgs ea;
-    ea.rows.num_rows = rows;
-    ea.rows.rows_top_k = rk;
-    ea.rows.format = format_;
-    ea.rows.scale_layout = ScaleLayout::Linear;
-    ea.rows.values = recv_values_->ptr;
-    ea.rows.scales = scale_bytes_ > 0 ? recv_scales_->ptr : nullptr;
-    ea.topk_ids = local_ids_->as<int32_t>();  // [tokens, k] is [rows, rows_top_k] either way
-    ea.y = y_recv_->as<float>();
-    ea.workspace = workspace_->ptr;
-    ea.workspace_bytes = workspace_bytes_;
+    // [tokens, k] local ids are [rows, rows_top_k] either way
     if (rows > 0)
-      if (Status s = runner_->experts(stream, ea); !s.ok()) return s;
+      if (Status s = run_experts(stream, rows, local_ids_->as<int32_t>()); !s.ok()) return s;
     if (cudaError_t e = record(kExpertsDone, stream); e != cudaSuccess) return Status::failure(cuda_message("cudaEventRecord", e));
 
     // the rank's partial of every gathered token: its own slots, in slot order, fp32

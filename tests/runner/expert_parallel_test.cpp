@@ -241,70 +241,65 @@ io::MoeCase make_case(const MoeProblem& p, const std::vector<int64_t>& tokens, u
   return c;
 }
 
-// The ranks (virtual, or the given communicators on `devices`) against the single layer: bit for bit on
-// the single layer's tactic.
+// The ranks (virtual, or the given communicators on `devices`) against the single layer on its tactic:
+// ids and weights bit for bit; the output bit for bit with AllToAll (and AllGather on one rank), within
+// the layer tolerance with AllGather (each rank sums its own slots of a token, the token's rank sums the
+// ranks' fp32 partials: another fp32 order).
 void expect_equal_to_single_layer(const io::MoeCase& c, const std::vector<int64_t>& tokens,
+                                  ExpertParallelScheme scheme = ExpertParallelScheme::AllToAll,
                                   std::vector<std::unique_ptr<Communicator>> comms = {},
                                   std::vector<int> devices = {}) {
-  const std::string what = label(c.problem, int(tokens.size()), tokens);
+  const std::string what = std::string(to_string(scheme)) + " " + label(c.problem, int(tokens.size()), tokens);
   const SingleLayer single = run_single(c);
   ExpertParallelOptions options;
   options.tactic = single.tactic;
+  options.scheme = scheme;
   VirtualRun run(c, tokens, options, -1, std::move(comms), std::move(devices));
   run.forward();
   for (const Rank& rk : run.ranks) ASSERT_TRUE(rk.status.ok()) << what << ": " << rk.status.message;
   const SingleLayer ep = run.gathered();
   ASSERT_EQ(ep.ids, single.ids) << what;
   ASSERT_EQ(std::memcmp(ep.weights.data(), single.weights.data(), ep.weights.size() * 4), 0) << what;
+  if (scheme == ExpertParallelScheme::AllGather && tokens.size() > 1) {
+    test::expect_output_matches(ep.output, single.output, c.num_tokens, c.problem.hidden, what);
+    return;
+  }
   int64_t differ = 0;
   for (size_t i = 0; i < ep.output.size(); ++i) differ += ep.output[i] != single.output[i];
   EXPECT_EQ(differ, 0) << what << ": " << differ << " of " << ep.output.size() << " output elements differ";
 }
 
-TEST(ExpertParallelAllToAll, EveryModeAndRoutingMethodEqualsTheSingleLayer) {
-  SKIP_WITHOUT_GPU();
-  uint64_t seed = 1000;
-  int turn = 0;
-  constexpr int kRanks[3] = {2, 4, 8};
-  constexpr int64_t kTokens[3] = {37, 0, 1};  // T = 37, 0 and 1 on the ranks
+// Every quantization mode and routing method, T = 37, 0 and 1 on the ranks, the group sizes in turn.
+void every_mode_and_routing_method(ExpertParallelScheme scheme, const std::vector<int>& group_sizes, uint64_t seed) {
+  size_t turn = 0;
+  constexpr int64_t kTokens[3] = {37, 0, 1};
   for (ActQuant mode : {ActQuant::W4A16, ActQuant::W4A4Scalar, ActQuant::W4A4PerExpert})
     for (RoutingMethod m : {RoutingMethod::Default, RoutingMethod::Renormalize, RoutingMethod::RenormalizeNaive,
                             RoutingMethod::TopK, RoutingMethod::Sigmoid, RoutingMethod::SigmoidRenorm,
                             RoutingMethod::TopKSigmoid, RoutingMethod::Llama4, RoutingMethod::DeepSeekV3,
                             RoutingMethod::Precomputed}) {
-      const int N = kRanks[turn++ % 3];
+      const int N = group_sizes[turn++ % group_sizes.size()];
       std::vector<int64_t> tokens(static_cast<size_t>(N));
       for (int r = 0; r < N; ++r) tokens[r] = kTokens[r % 3];
-      const MoeProblem p = small_problem(mode, m);
-      expect_equal_to_single_layer(make_case(p, tokens, ++seed), tokens);
-      if (HasFatalFailure()) return;
+      expect_equal_to_single_layer(make_case(small_problem(mode, m), tokens, ++seed), tokens, scheme);
+      if (::testing::Test::HasFatalFailure()) return;
     }
 }
 
-TEST(ExpertParallelAllToAll, FourThousandTokensPerRankOnTwoFourAndEightRanks) {
-  SKIP_WITHOUT_GPU();
+// 4096 tokens on every rank of 2, 4 and 8, a mode each.
+void four_thousand_tokens_per_rank(ExpertParallelScheme scheme, uint64_t seed) {
   const ActQuant modes[3] = {ActQuant::W4A4Scalar, ActQuant::W4A16, ActQuant::W4A4PerExpert};
   int i = 0;
   for (int N : {2, 4, 8}) {
     const MoeProblem p = small_problem(modes[i++], RoutingMethod::Renormalize);
     const std::vector<int64_t> tokens(size_t(N), 4096);
-    expect_equal_to_single_layer(make_case(p, tokens, 2000 + N), tokens);
-    if (HasFatalFailure()) return;
+    expect_equal_to_single_layer(make_case(p, tokens, seed + N), tokens, scheme);
+    if (::testing::Test::HasFatalFailure()) return;
   }
 }
 
-TEST(ExpertParallelAllToAll, ARankThatReceivesNothingAndOneThatReceivesEverything) {
-  SKIP_WITHOUT_GPU();
-  for (ActQuant mode : {ActQuant::W4A16, ActQuant::W4A4Scalar, ActQuant::W4A4PerExpert}) {
-    const MoeProblem p = small_problem(mode, RoutingMethod::Precomputed);
-    const std::vector<int64_t> tokens = {37, 1, 0, 300};
-    expect_equal_to_single_layer(make_case(p, tokens, 3000, /*all_on_rank=*/2), tokens);  // 0, 1, 3 get nothing
-    if (HasFatalFailure()) return;
-  }
-}
-
-TEST(ExpertParallelAllToAll, ExpertBiasesAndMxfp4Weights) {
-  SKIP_WITHOUT_GPU();
+// Expert biases (swiglu_oai) with NVFP4 and MXFP4 weights in w4a16, and with NVFP4 in w4a4_scalar.
+void biases_and_mxfp4_weights(ExpertParallelScheme scheme, uint64_t seed) {
   MoeProblem p = small_problem(ActQuant::W4A16, RoutingMethod::Renormalize);
   p.activation.kind = Activation::SwiGLUOai;
   p.hidden = 512;
@@ -312,13 +307,43 @@ TEST(ExpertParallelAllToAll, ExpertBiasesAndMxfp4Weights) {
   for (WeightFormat f : {WeightFormat::NVFP4, WeightFormat::MXFP4}) {
     p.weight_format = f;
     const std::vector<int64_t> tokens = {37, 1, 64};
-    expect_equal_to_single_layer(make_case(p, tokens, 4000, -1, /*biases=*/true), tokens);
-    if (HasFatalFailure()) return;
+    expect_equal_to_single_layer(make_case(p, tokens, seed, -1, /*biases=*/true), tokens, scheme);
+    if (::testing::Test::HasFatalFailure()) return;
   }
   p.weight_format = WeightFormat::NVFP4;
   p.act_quant = ActQuant::W4A4Scalar;
   const std::vector<int64_t> tokens = {5, 0, 90, 33};
-  expect_equal_to_single_layer(make_case(p, tokens, 4100, -1, true), tokens);
+  expect_equal_to_single_layer(make_case(p, tokens, seed + 100, -1, true), tokens, scheme);
+}
+
+// Every token on rank 2's experts: ranks 0, 1 and 3 compute nothing, rank 2 every entry.
+void experts_of_one_rank_only(ExpertParallelScheme scheme, uint64_t seed) {
+  for (ActQuant mode : {ActQuant::W4A16, ActQuant::W4A4Scalar, ActQuant::W4A4PerExpert}) {
+    const MoeProblem p = small_problem(mode, RoutingMethod::Precomputed);
+    const std::vector<int64_t> tokens = {37, 1, 0, 300};
+    expect_equal_to_single_layer(make_case(p, tokens, seed, /*all_on_rank=*/2), tokens, scheme);
+    if (::testing::Test::HasFatalFailure()) return;
+  }
+}
+
+TEST(ExpertParallelAllToAll, EveryModeAndRoutingMethodEqualsTheSingleLayer) {
+  SKIP_WITHOUT_GPU();
+  every_mode_and_routing_method(ExpertParallelScheme::AllToAll, {2, 4, 8}, 1000);
+}
+
+TEST(ExpertParallelAllToAll, FourThousandTokensPerRankOnTwoFourAndEightRanks) {
+  SKIP_WITHOUT_GPU();
+  four_thousand_tokens_per_rank(ExpertParallelScheme::AllToAll, 2000);
+}
+
+TEST(ExpertParallelAllToAll, ARankThatReceivesNothingAndOneThatReceivesEverything) {
+  SKIP_WITHOUT_GPU();
+  experts_of_one_rank_only(ExpertParallelScheme::AllToAll, 3000);
+}
+
+TEST(ExpertParallelAllToAll, ExpertBiasesAndMxfp4Weights) {
+  SKIP_WITHOUT_GPU();
+  biases_and_mxfp4_weights(ExpertParallelScheme::AllToAll, 4000);
 }
 
 // Each rank on its own tactic (the default): the output within the layer tolerance of the single layer.
@@ -435,95 +460,44 @@ TEST(ExpertParallelNccl, OneAndTwoGpusEqualTheSingleLayer) {
   } catch (const Error& e) {
     GTEST_SKIP() << e.what();  // no NCCL on this machine
   }
-  for (ActQuant mode : {ActQuant::W4A16, ActQuant::W4A4Scalar, ActQuant::W4A4PerExpert}) {
-    const MoeProblem p = small_problem(mode, RoutingMethod::Renormalize);
-    expect_equal_to_single_layer(make_case(p, {37}, 9000), {37}, make_nccl_ranks({0}), {0});
-    if (HasFatalFailure()) return;
-  }
+  constexpr ExpertParallelScheme kSchemes[2] = {ExpertParallelScheme::AllToAll, ExpertParallelScheme::AllGather};
+  for (ExpertParallelScheme scheme : kSchemes)
+    for (ActQuant mode : {ActQuant::W4A16, ActQuant::W4A4Scalar, ActQuant::W4A4PerExpert}) {
+      const MoeProblem p = small_problem(mode, RoutingMethod::Renormalize);
+      expect_equal_to_single_layer(make_case(p, {37}, 9000), {37}, scheme, make_nccl_ranks({0}), {0});
+      if (HasFatalFailure()) return;
+    }
   int count = 0;
   ASSERT_EQ(cudaGetDeviceCount(&count), cudaSuccess);
   if (count < 2) GTEST_SKIP() << "two ranks need two GPUs; this machine has " << count;
-  for (ActQuant mode : {ActQuant::W4A16, ActQuant::W4A4Scalar, ActQuant::W4A4PerExpert}) {
-    const MoeProblem p = small_problem(mode, RoutingMethod::DeepSeekV3);
-    const std::vector<int64_t> tokens = {37, 300};
-    expect_equal_to_single_layer(make_case(p, tokens, 9100), tokens, make_nccl_ranks({0, 1}), {0, 1});
-    if (HasFatalFailure()) return;
-  }
-}
-
-// ---- ExpertParallelScheme::AllGather -----------------------------------------------------------------
-// The ranks against the single layer on its tactic: ids and weights bit for bit; the output within the
-// layer tolerance (each rank sums its own slots of a token, the token's rank sums the ranks' fp32
-// partials: another fp32 order), bit for bit on one rank.
-void expect_all_gather_close_to_single_layer(const io::MoeCase& c, const std::vector<int64_t>& tokens) {
-  const std::string what = "all_gather " + label(c.problem, int(tokens.size()), tokens);
-  const SingleLayer single = run_single(c);
-  ExpertParallelOptions options;
-  options.scheme = ExpertParallelScheme::AllGather;
-  options.tactic = single.tactic;
-  VirtualRun run(c, tokens, options);
-  run.forward();
-  for (const Rank& rk : run.ranks) ASSERT_TRUE(rk.status.ok()) << what << ": " << rk.status.message;
-  const SingleLayer ep = run.gathered();
-  ASSERT_EQ(ep.ids, single.ids) << what;
-  ASSERT_EQ(std::memcmp(ep.weights.data(), single.weights.data(), ep.weights.size() * 4), 0) << what;
-  if (tokens.size() == 1) {
-    EXPECT_EQ(ep.output, single.output) << what << ": one rank is the single layer";
-    return;
-  }
-  test::expect_output_matches(ep.output, single.output, c.num_tokens, c.problem.hidden, what);
-}
-
-TEST(ExpertParallelAllGather, EveryModeAndRoutingMethodIsCloseToTheSingleLayer) {
-  SKIP_WITHOUT_GPU();
-  uint64_t seed = 11000;
-  int turn = 0;
-  constexpr int kRanks[4] = {2, 4, 8, 1};
-  constexpr int64_t kTokens[3] = {37, 0, 1};
-  for (ActQuant mode : {ActQuant::W4A16, ActQuant::W4A4Scalar, ActQuant::W4A4PerExpert})
-    for (RoutingMethod m : {RoutingMethod::Default, RoutingMethod::Renormalize, RoutingMethod::RenormalizeNaive,
-                            RoutingMethod::TopK, RoutingMethod::Sigmoid, RoutingMethod::SigmoidRenorm,
-                            RoutingMethod::TopKSigmoid, RoutingMethod::Llama4, RoutingMethod::DeepSeekV3,
-                            RoutingMethod::Precomputed}) {
-      const int N = kRanks[turn++ % 4];
-      std::vector<int64_t> tokens(static_cast<size_t>(N));
-      for (int r = 0; r < N; ++r) tokens[r] = kTokens[r % 3];
-      const MoeProblem p = small_problem(mode, m);
-      expect_all_gather_close_to_single_layer(make_case(p, tokens, ++seed), tokens);
+  for (ExpertParallelScheme scheme : kSchemes)
+    for (ActQuant mode : {ActQuant::W4A16, ActQuant::W4A4Scalar, ActQuant::W4A4PerExpert}) {
+      const MoeProblem p = small_problem(mode, RoutingMethod::DeepSeekV3);
+      const std::vector<int64_t> tokens = {37, 300};
+      expect_equal_to_single_layer(make_case(p, tokens, 9100), tokens, scheme, make_nccl_ranks({0, 1}), {0, 1});
       if (HasFatalFailure()) return;
     }
 }
 
-TEST(ExpertParallelAllGather, FourThousandTokensPerRankOnTwoFourAndEightRanks) {
+// ---- ExpertParallelScheme::AllGather: within the layer tolerance, bit for bit on one rank ------------
+TEST(ExpertParallelAllGather, EveryModeAndRoutingMethodIsCloseToTheSingleLayer) {
   SKIP_WITHOUT_GPU();
-  const ActQuant modes[3] = {ActQuant::W4A4Scalar, ActQuant::W4A16, ActQuant::W4A4PerExpert};
-  int i = 0;
-  for (int N : {2, 4, 8}) {
-    const MoeProblem p = small_problem(modes[i++], RoutingMethod::Renormalize);
-    const std::vector<int64_t> tokens(size_t(N), 4096);
-    expect_all_gather_close_to_single_layer(make_case(p, tokens, 12000 + N), tokens);
-    if (HasFatalFailure()) return;
-  }
+  every_mode_and_routing_method(ExpertParallelScheme::AllGather, {2, 4, 8, 1}, 11000);
 }
 
-TEST(ExpertParallelAllGather, ExpertsOfOneRankOnlyBiasesAndMxfp4Weights) {
+TEST(ExpertParallelAllGather, FourThousandTokensPerRankOnTwoFourAndEightRanks) {
   SKIP_WITHOUT_GPU();
-  for (ActQuant mode : {ActQuant::W4A16, ActQuant::W4A4PerExpert}) {
-    const MoeProblem p = small_problem(mode, RoutingMethod::Precomputed);
-    const std::vector<int64_t> tokens = {37, 1, 0, 300};
-    expect_all_gather_close_to_single_layer(make_case(p, tokens, 13000, /*all_on_rank=*/2), tokens);
-    if (HasFatalFailure()) return;
-  }
-  MoeProblem p = small_problem(ActQuant::W4A16, RoutingMethod::Renormalize);
-  p.activation.kind = Activation::SwiGLUOai;
-  p.hidden = 512;
-  p.inter = 320;
-  for (WeightFormat f : {WeightFormat::NVFP4, WeightFormat::MXFP4}) {
-    p.weight_format = f;
-    const std::vector<int64_t> tokens = {37, 1, 64};
-    expect_all_gather_close_to_single_layer(make_case(p, tokens, 13100, -1, /*biases=*/true), tokens);
-    if (HasFatalFailure()) return;
-  }
+  four_thousand_tokens_per_rank(ExpertParallelScheme::AllGather, 12000);
+}
+
+TEST(ExpertParallelAllGather, ExpertsOfOneRankOnly) {
+  SKIP_WITHOUT_GPU();
+  experts_of_one_rank_only(ExpertParallelScheme::AllGather, 13000);
+}
+
+TEST(ExpertParallelAllGather, ExpertBiasesAndMxfp4Weights) {
+  SKIP_WITHOUT_GPU();
+  biases_and_mxfp4_weights(ExpertParallelScheme::AllGather, 13100);
 }
 
 // Rows and ids to every rank, every gathered token's fp32 partial back; a group with more rows than the
