@@ -612,4 +612,4 @@ def test_expert_parallel_layer_without_a_gpu_is_an_error():
     with pytest.raises(fp4moe.Error, match="communicator must come from"):
         fp4moe.ExpertParallelLayer(problem, weights, None)
     with pytest.raises(fp4moe.Error, match="unique_id must be the bytes"):
-        fp4moe.nccl_communicator(b"x".decode(), 0, 1)
+        fp4moe.nccl_communicator("x", 0, 1)
