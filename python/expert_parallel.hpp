@@ -51,7 +51,7 @@ inline nb::bytes nccl_unique_id_bytes() {
 }
 
 inline std::shared_ptr<PyCommunicator> nccl_communicator(const nb::bytes& unique_id, int rank, int size, int device) {
-  const std::string id(static_cast<const char*>(unique_id.data()), unique_id.size());
+  const std::string id(unique_id.c_str(), unique_id.size());
   std::unique_ptr<Communicator> c;
   {
     nb::gil_scoped_release release;  // ncclCommInitRank returns once every rank has joined
