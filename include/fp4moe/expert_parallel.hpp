@@ -1,5 +1,6 @@
 // fp4moe/expert_parallel.hpp — the layer over the ranks of an expert-parallel group, with all-to-all
-// dispatch and combine (docs/architecture.md, "Expert parallelism: all-to-all").
+// dispatch and combine, or (ExpertParallelScheme::AllGather) all-gathered rows and fp32 partial
+// outputs summed on the tokens' ranks (docs/architecture.md, "Expert-parallel layer").
 //
 //   auto ranks = make_virtual_ranks(4);                            // or any Communicator of the group
 //   auto layer = ExpertParallelLayer::create(problem, max_tokens, *ranks[r]);          // one per rank
@@ -16,6 +17,10 @@
 //   6. combine: each received row's fp32 y back to its source, gathered into entry order
 //   7. finalize with the whole layer's ids, weights and w2_bias, in slot order: the single-GPU layer's
 //      sum (docs/numerics.md, "Expert parallelism")
+//
+// AllGather replaces 3, 4 and 6: every rank's T exchanged, the rows, ids and weights sent to every
+// rank, the experts on all of them, this rank's slots finalized into an fp32 partial of every gathered
+// token, the partials all-to-all to the tokens' ranks and summed there in rank order.
 //
 // NOTE: step 4 waits on the host for the stream (the send counts are read back before the variable-size
 // exchange), so a forward is not graph-capturable; every other step is asynchronous on the stream.
@@ -158,9 +163,9 @@ struct ExpertParallelTraffic {
 // The exchanges (the count exchange, the dispatch and combine all-to-alls, and the waits for the other
 // ranks that they include) are in exchange_us and in none of the others.
 struct ExpertParallelStageTimes {
-  double dispatch_us = 0;  // route, prepare (quantize), plan and pack
-  double experts_us = 0;   // the local experts on the received rows
-  double combine_us = 0;   // compact the computed entries, gather them into slot order, finalize
+  double dispatch_us = 0;  // route, prepare (quantize), plan and pack (AllGather: route and prepare)
+  double experts_us = 0;   // the local experts on the received rows (AllGather: with the id mapping)
+  double combine_us = 0;   // compact, gather into slot order, finalize (AllGather: the partial, the sum)
   double exchange_us = 0;  // from the end of the pack to the experts' start, and the combine all-to-all
 };
 
