@@ -609,7 +609,7 @@ std::vector<TuneEntry> tune_problem(const std::string& label, const MoeProblem& 
 }
 
 
-// ---- expert parallelism, all-to-all, on virtual ranks ----------------------------------------------
+// ---- expert parallelism: the ExpertParallelLayer group, virtual ranks or NCCL ----------------------------------------------
 
 namespace {
 
@@ -647,9 +647,10 @@ void run_ep_rank_steps(EpSteps& run, ExpertParallelLayer& layer, ExpertParallelA
 
 }  // namespace
 
-std::vector<EpAllToAllRow> bench_ep_all2all(const std::string& model, const MoeProblem& p,
-                                            const std::vector<int64_t>& tokens, const EpBenchGroup& group,
-                                            const BenchOptions& opt, bool progress) {
+std::vector<ExpertParallelBenchRow> bench_expert_parallel(const std::string& model, const MoeProblem& p,
+                                                          const std::vector<int64_t>& tokens,
+                                                          const ExpertParallelGroup& group, const BenchOptions& opt,
+                                                          bool progress) {
   const int ranks = group.ranks;
   const ExpertParallelScheme scheme = group.scheme;
   check(ranks >= 1 && ranks <= p.num_experts, "bench --parallel ep_all2all/dp_allgather: --ep-size must be in [1, E = ", p.num_experts,
@@ -695,7 +696,7 @@ std::vector<EpAllToAllRow> bench_ep_all2all(const std::string& model, const MoeP
     out.push_back(std::make_unique<DeviceBuffer>(size_t(max_t * H * 2), "bench output"));
   }
   ck(cudaSetDevice(current), "cudaSetDevice");
-  std::vector<EpAllToAllRow> rows;
+  std::vector<ExpertParallelBenchRow> rows;
   for (int64_t T : tokens) {
     std::vector<LayerInputs> in;
     for (int r = 0; r < ranks; ++r) {  // every rank its own tokens
@@ -733,7 +734,7 @@ std::vector<EpAllToAllRow> bench_ep_all2all(const std::string& model, const MoeP
     if (opt.refcheck) refcheck(p, whole.weights(), in[0], T, ids[0]->ptr, out[0]->ptr);  // rank 0 is the whole layer's
     std::vector<double> timed(step_us.begin() + opt.warmup, step_us.end());
     std::sort(timed.begin(), timed.end());
-    EpAllToAllRow row;
+    ExpertParallelBenchRow row;
     row.model = model;
     row.scheme = scheme;
     row.mode = p.act_quant;

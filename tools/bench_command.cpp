@@ -150,16 +150,16 @@ void add_bench_command(CLI::App& app, BenchCommandOptions& o) {
 }
 
 // --parallel ep_all2all / dp_allgather: the virtual ranks' step and stage times and wire bytes
-// (fp4moe/bench.hpp, bench_ep_all2all).
+// (fp4moe/bench.hpp, bench_expert_parallel).
 template <typename PresetOf>
-int run_ep_all2all(const BenchCommandOptions& o, const std::vector<std::string>& models,
+int run_expert_parallel_bench(const BenchCommandOptions& o, const std::vector<std::string>& models,
                    const std::vector<int64_t>& tokens, const PresetOf& preset_of) {
   const std::string what = "bench --parallel " + o.parallel;
   check(!models.empty(), what, ": give --model PRESET[,PRESET] (a checkpoint layer is not supported)");
   check(o.tp_size == 1, what, ": --tp-size is not supported with it");
   check(o.json.empty() && o.csv.empty(), what, ": --json and --csv are not written for it yet; read the table");
   check(o.tactic.empty(), what, ": --tactic is not supported with it (each rank's selector chooses)");
-  EpBenchGroup group;
+  ExpertParallelGroup group;
   group.ranks = o.ep_size;
   group.scheme = o.parallel == "dp_allgather" ? ExpertParallelScheme::AllGather : ExpertParallelScheme::AllToAll;
   group.nccl = o.nccl;
@@ -177,7 +177,7 @@ int run_ep_all2all(const BenchCommandOptions& o, const std::vector<std::string>&
               "combine_MB");
   for (const auto& m : models) {
     const MoeProblem p = preset_of(m);
-    for (const EpAllToAllRow& r : bench_ep_all2all(m, p, tokens, group, opt, true))
+    for (const ExpertParallelBenchRow& r : bench_expert_parallel(m, p, tokens, group, opt, true))
       std::printf("%-16s %-16s %3d %7lld %10.1f %10.1f %9.1f %9.1f %9.1f %9.1f %10lld %10.1f %10lld %12.2f\n",
                   r.model.c_str(), std::string(to_string(r.mode)).c_str(), r.ranks,
                   static_cast<long long>(r.tokens_per_rank), r.median_us, r.min_us, r.dispatch_us, r.experts_us,
@@ -223,7 +223,7 @@ int run_bench_command(const BenchCommandOptions& o) {
   }
 
   check(!o.nccl || o.parallel != "ep_allreduce", "bench --nccl: give --parallel ep_all2all or dp_allgather with it");
-  if (o.parallel == "ep_all2all" || o.parallel == "dp_allgather") return run_ep_all2all(o, models, tokens, preset_of);
+  if (o.parallel == "ep_all2all" || o.parallel == "dp_allgather") return run_expert_parallel_bench(o, models, tokens, preset_of);
 
   std::fprintf(stderr, "bench: measuring ceilings ...\n");
   const Ceilings c = measure_ceilings();

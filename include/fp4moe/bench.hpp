@@ -147,13 +147,13 @@ std::vector<BenchRow> bench_weights(const std::string& label, const MoeProblem& 
                                     const reference::MoeWeights& weights, const std::vector<int64_t>& tokens,
                                     const Ceilings& ceilings, const BenchOptions& options, bool progress = true);
 
-// Expert parallelism with all-to-all dispatch and combine (ExpertParallelLayer) on `ranks` virtual ranks
-// of this GPU (make_virtual_ranks): every rank routes T tokens of random logits of its own, and the
-// ranks' forwards run on their own host threads and streams. A row's time is the host wall time of one
-// step (every rank's forward, stream synchronised) with every rank sharing this one GPU and device
-// copies standing in for the wire: the work of the whole group, not of one rank on a GPU of its own;
-// no L2 flush. Traffic from the ranks' last forward. options.refcheck checks rank 0's first tokens.
-struct EpAllToAllRow {
+// The expert-parallel layer (ExpertParallelLayer, either scheme) over the ranks of an ExpertParallelGroup:
+// every rank routes T tokens of random logits of its own, and the ranks' forwards run on their own host
+// threads and streams. A row's time is the host wall time of one step (every rank's forward, stream
+// synchronised); with virtual ranks every rank shares this one GPU and device copies stand in for the
+// wire: the work of the whole group, not of one rank on a GPU of its own. No L2 flush. Traffic from the
+// ranks' last forward. options.refcheck checks rank 0's first tokens against the CPU reference.
+struct ExpertParallelBenchRow {
   std::string model;
   ExpertParallelScheme scheme = ExpertParallelScheme::AllToAll;
   ActQuant mode = ActQuant::W4A16;
@@ -164,22 +164,23 @@ struct EpAllToAllRow {
   // the exchanges are excluded from these three and given apart in exchange_us.
   double dispatch_us = 0, experts_us = 0, combine_us = 0, exchange_us = 0;
   int64_t rows_sent = 0;           // row copies over all ranks (to themselves included)
-  int64_t dispatch_bytes = 0;      // their wire bytes: values, scales and local ids
-  int64_t combine_bytes = 0;       // fp32 y of the computed entries, sent back
+  int64_t dispatch_bytes = 0;      // their wire bytes (ExpertParallelTraffic, summed over the ranks)
+  int64_t combine_bytes = 0;       // fp32 sent back: computed entries' y, or (AllGather) partial outputs
   // AllToAll: H/2 + H/16 + 4 * rows_top_k (NVFP4 rows) or 2H + 4 * rows_top_k (bf16); AllGather: the
   // row and 8 * rows_top_k (the token's k ids and weights over its k / rows_top_k rows)
   int64_t row_bytes_expected = 0;
 };
-// The group a bench_ep_all2all runs: `ranks` virtual ranks sharing the current GPU, or (nccl) one rank
-// per GPU 0..ranks-1 over NCCL (make_nccl_ranks), where the exchanges are the real wire.
-struct EpBenchGroup {
+// The group bench_expert_parallel runs: `ranks` virtual ranks sharing the current GPU, or (nccl) one
+// rank per GPU 0..ranks-1 over NCCL (make_nccl_ranks), where the exchanges are the real wire.
+struct ExpertParallelGroup {
   int ranks = 1;
   ExpertParallelScheme scheme = ExpertParallelScheme::AllToAll;
   bool nccl = false;
 };
-std::vector<EpAllToAllRow> bench_ep_all2all(const std::string& model, const MoeProblem& problem,
-                                            const std::vector<int64_t>& tokens, const EpBenchGroup& group,
-                                            const BenchOptions& options, bool progress = true);
+std::vector<ExpertParallelBenchRow> bench_expert_parallel(const std::string& model, const MoeProblem& problem,
+                                                          const std::vector<int64_t>& tokens,
+                                                          const ExpertParallelGroup& group,
+                                                          const BenchOptions& options, bool progress = true);
 
 // ---- tuning (`fp4moe tune`) ----
 struct TuneProfileOptions {

@@ -24,8 +24,9 @@ std::vector<BenchRow> bench_weights(const std::string&, const MoeProblem&, const
   unavailable("bench");
 }
 
-std::vector<EpAllToAllRow> bench_ep_all2all(const std::string&, const MoeProblem&, const std::vector<int64_t>&,
-                                            const EpBenchGroup&, const BenchOptions&, bool) {
+std::vector<ExpertParallelBenchRow> bench_expert_parallel(const std::string&, const MoeProblem&,
+                                                          const std::vector<int64_t>&, const ExpertParallelGroup&,
+                                                          const BenchOptions&, bool) {
   unavailable("bench");
 }
 
