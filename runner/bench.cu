@@ -609,7 +609,7 @@ std::vector<TuneEntry> tune_problem(const std::string& label, const MoeProblem& 
 }
 
 
-// ---- expert parallelism: the ExpertParallelLayer group, virtual ranks or NCCL ----------------------------------------------
+// ---- expert parallelism: the ExpertParallelLayer group, virtual ranks or NCCL --------------------------
 
 namespace {
 
