@@ -152,6 +152,16 @@ void MoeProblem::validate() const {
   }
 }
 
+MoeProblem MoeProblem::expert_parallel_rank(int64_t num_local_experts) const {
+  MoeProblem q = *this;
+  q.num_experts = num_local_experts;
+  q.routing.method = RoutingMethod::Precomputed;
+  q.routing.skip_foreign_ids = true;
+  q.routing.total_experts = routing.total_experts > 0 ? routing.total_experts : num_experts;
+  q.validate();
+  return q;
+}
+
 std::string MoeProblem::describe() const {
   std::ostringstream os;
   os << "E=" << num_experts << " H=" << hidden << " I=" << inter << " k=" << routing.top_k

@@ -261,17 +261,7 @@ NB_MODULE(_fp4moe, m) {
              return q;
            },
            "routing_method"_a, "The same problem with another routing method (e.g. precomputed).")
-      .def("expert_parallel_rank",
-           [](const MoeProblem& p, int64_t num_local_experts) {
-             MoeProblem q = p;
-             q.num_experts = num_local_experts;
-             q.routing.method = RoutingMethod::Precomputed;
-             q.routing.skip_foreign_ids = true;
-             q.routing.total_experts = p.routing.total_experts > 0 ? p.routing.total_experts : p.num_experts;
-             q.validate();
-             return q;
-           },
-           "num_local_experts"_a,
+      .def("expert_parallel_rank", &MoeProblem::expert_parallel_rank, "num_local_experts"_a,
            "An expert-parallel rank's problem: its experts only, precomputed routing with skip_foreign_ids (ids "
            "outside [0, num_local_experts) are other ranks' experts), total_experts the whole layer's (its "
            "tactics are chosen for the load an even routing gives the rank).")

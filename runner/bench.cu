@@ -316,13 +316,7 @@ std::vector<BenchRow> bench_model(const std::string& model, const MoeProblem& p,
         "bench: expert parallelism routes the whole layer, which a precomputed problem cannot");
   // Expert parallelism: rank 0's experts [0, n_local) on precomputed routing (the whole layer's, mapped).
   const int64_t n_local = io::expert_range(p.num_experts, 0, opt.ep_size).second;
-  MoeProblem local = p;
-  if (opt.ep_size > 1) {
-    local.num_experts = n_local;
-    local.routing.method = RoutingMethod::Precomputed;
-    local.routing.skip_foreign_ids = true;
-    local.routing.total_experts = p.num_experts;
-  }
+  const MoeProblem local = opt.ep_size > 1 ? p.expert_parallel_rank(n_local) : p;
   if (progress)
     std::fprintf(stderr, "bench %s: preparing random %s weights ...\n", model.c_str(),
                  p.weight_format == WeightFormat::MXFP4 ? "MXFP4" : "NVFP4");

@@ -101,17 +101,10 @@ void scale_offsets(const std::vector<int64_t>& v, int64_t bytes, std::vector<int
   for (size_t i = 0; i < v.size(); ++i) out[i] = v[i] * bytes;
 }
 
+// Rank `rank` of `size`'s problem: its experts io::expert_range(E, rank, size).
 MoeProblem rank_problem(const MoeProblem& p, int rank, int size) {
-  MoeProblem local = p;
   const auto [begin, end] = io::expert_range(p.num_experts, rank, size);
-  local.num_experts = end - begin;
-  local.routing = RoutingParams{};
-  local.routing.method = RoutingMethod::Precomputed;
-  local.routing.top_k = p.top_k();
-  local.routing.apply_router_weight_on_input = p.routing.apply_router_weight_on_input;
-  local.routing.skip_foreign_ids = true;
-  local.routing.total_experts = p.num_experts;
-  return local;
+  return p.expert_parallel_rank(end - begin);
 }
 
 class GpuExpertParallelLayer final : public ExpertParallelLayer {

@@ -69,11 +69,7 @@ struct ExpertRangeWeights {
 
   ExpertRangeWeights(const io::MoeCase& c, int64_t begin, int64_t end, const std::vector<int32_t>& routing_ids) {
     const MoeProblem& p = c.problem;
-    problem = p;
-    problem.num_experts = end - begin;
-    problem.routing.method = RoutingMethod::Precomputed;
-    problem.routing.skip_foreign_ids = true;
-    problem.routing.total_experts = p.num_experts;
+    problem = p.expert_parallel_rank(end - begin);
     auto range = [&](const auto& v) {
       const size_t per = v.size() / size_t(p.num_experts);
       return std::vector<typename std::decay_t<decltype(v)>::value_type>(v.begin() + begin * per, v.begin() + end * per);

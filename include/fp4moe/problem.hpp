@@ -102,6 +102,10 @@ struct MoeProblem {
   int64_t weight_block() const { return weight_format == WeightFormat::MXFP4 ? 32 : 16; }
   // Throws fp4moe::Error naming the first inconsistent field (sizes, k > E, groups, scales, ...).
   void validate() const;
+  // An expert-parallel rank's problem, validated: num_local_experts of this layer's experts, precomputed
+  // routing with skip_foreign_ids (ids outside [0, num_local_experts) are other ranks' experts) and
+  // total_experts the whole layer's (this problem's total_experts when set, else its E).
+  MoeProblem expert_parallel_rank(int64_t num_local_experts) const;
   // One line, e.g. "E=256 H=7168 I=2048 k=8 routing=deepseek_v3(n_group=8,topk_group=4,scale=2.5) act=swiglu quant=w4a4_scalar"
   std::string describe() const;
 };
