@@ -260,9 +260,8 @@ class GpuExpertParallelLayer final : public ExpertParallelLayer {
     (void)cudaGetLastError();
     if (cudaError_t e = cudaSetDevice(device_); e != cudaSuccess) return Status::failure(cuda_message("cudaSetDevice", e));
 
-    auto mark = [&](StageEvent ev) { return record(ev, stream); };
     timed_ = false;
-    if (cudaError_t e = mark(kStart); e != cudaSuccess) return Status::failure(cuda_message("cudaEventRecord", e));
+    if (Status s = mark(kStart, stream); !s.ok()) return s;
     // 1. route
     if (!routed && T > 0)
       if (Status s = router_->route(stream, a.num_tokens, a.router_logits, a.logits_dtype, a.routing_bias, a.topk_ids,
@@ -313,7 +312,7 @@ class GpuExpertParallelLayer final : public ExpertParallelLayer {
           !s.ok())
         return s;
 
-    if (cudaError_t e = mark(kPacked); e != cudaSuccess) return Status::failure(cuda_message("cudaEventRecord", e));
+    if (Status s = mark(kPacked, stream); !s.ok()) return s;
 
     // 4. counts: every rank learns every rank's row and entry counts (the capacity check needs them all).
     int32_t* host = host_offsets_->get();
@@ -365,12 +364,12 @@ class GpuExpertParallelLayer final : public ExpertParallelLayer {
         {send_ids_->ptr, si.data(), recv_ids_->ptr, ri.data()},
         {send_scales_->ptr, ss.data(), recv_scales_->ptr, rs.data()}};
     if (Status s = comm_.all_to_all_v(stream, dispatch, scale_bytes_ > 0 ? 3 : 2); !s.ok()) return s;
-    if (cudaError_t e = mark(kDispatched); e != cudaSuccess) return Status::failure(cuda_message("cudaEventRecord", e));
+    if (Status s = mark(kDispatched, stream); !s.ok()) return s;
 
     // 5. experts on the received rows
     if (R > 0)
       if (Status s = run_experts(stream, R, recv_ids_->as<int32_t>()); !s.ok()) return s;
-    if (cudaError_t e = mark(kExpertsDone); e != cudaSuccess) return Status::failure(cuda_message("cudaEventRecord", e));
+    if (Status s = mark(kExpertsDone, stream); !s.ok()) return s;
 
     // 6. combine: the computed entries back to their sources, then into entry order
     kernels::CompactEntriesArgs ce;
@@ -382,12 +381,12 @@ class GpuExpertParallelLayer final : public ExpertParallelLayer {
     const int64_t y_row = 4 * int64_t(H);
     if (Status s = gather(stream, compact_list_->as<int32_t>(), int(V), nullptr, y_recv_->ptr, y_send_->ptr, y_row); !s.ok())
       return s;
-    if (cudaError_t e = mark(kCompacted); e != cudaSuccess) return Status::failure(cuda_message("cudaEventRecord", e));
+    if (Status s = mark(kCompacted, stream); !s.ok()) return s;
     scale_offsets(recv_entries, y_row, sy);
     scale_offsets(send_entries, y_row, ry);
     Communicator::Exchange combine = {y_send_->ptr, sy.data(), y_comb_->ptr, ry.data()};
     if (Status s = comm_.all_to_all_v(stream, &combine, 1); !s.ok()) return s;
-    if (cudaError_t e = mark(kCombined); e != cudaSuccess) return Status::failure(cuda_message("cudaEventRecord", e));
+    if (Status s = mark(kCombined, stream); !s.ok()) return s;
     if (Status s = gather(stream, gather_index_->as<int32_t>(), int(S * rk), nullptr, y_comb_->ptr, y_->ptr, y_row); !s.ok())
       return s;
 
@@ -406,7 +405,7 @@ class GpuExpertParallelLayer final : public ExpertParallelLayer {
     if (a.output_dtype == OutputDType::F32) f.out_f32 = static_cast<float*>(a.output);
     else f.out = static_cast<__nv_bfloat16*>(a.output);
     if (cudaError_t e = kernels::launch_finalize(f, stream); e != cudaSuccess) return Status::failure(cuda_message("finalize", e));
-    if (cudaError_t e = mark(kFinalized); e != cudaSuccess) return Status::failure(cuda_message("cudaEventRecord", e));
+    if (Status s = mark(kFinalized, stream); !s.ok()) return s;
     timed_ = events_ != nullptr;
 
     traffic_.rows_sent = send_rows[N_];
@@ -434,7 +433,13 @@ class GpuExpertParallelLayer final : public ExpertParallelLayer {
     return runner_->experts(stream, ea);
   }
 
-  cudaError_t record(StageEvent ev, cudaStream_t stream) { return events_ ? events_->record(ev, stream) : cudaSuccess; }
+  // The stage boundary `ev` on the stream (time_stages; nothing otherwise).
+  Status mark(StageEvent ev, cudaStream_t stream) {
+    if (!events_) return Status::success();
+    if (cudaError_t e = events_->record(ev, stream); e != cudaSuccess)
+      return Status::failure(cuda_message("cudaEventRecord", e));
+    return Status::success();
+  }
 
   // ExpertParallelScheme::AllGather, after route and prepare (S rows of this rank's T tokens in
   // rows_values_ / rows_scales_): the counts, the all-gather of rows, ids and weights, the rank's experts
@@ -446,7 +451,7 @@ class GpuExpertParallelLayer final : public ExpertParallelLayer {
     const int64_t H = p.hidden, k = p.top_k();
     const int rk = rows_top_k_;
     const int64_t rows_per_token = rk == 1 ? k : 1;
-    if (cudaError_t e = record(kPacked, stream); e != cudaSuccess) return Status::failure(cuda_message("cudaEventRecord", e));
+    if (Status s = mark(kPacked, stream); !s.ok()) return s;
     // counts: every rank's T (every rank gets the same table, so a capacity failure is every rank's)
     for (int d = 0; d < N_; ++d) counts_out_[size_t(d)] = T;
     if (Status s = comm_.exchange_counts(counts_out_.data(), counts_in_.data(), 1); !s.ok()) return s;
@@ -471,7 +476,7 @@ class GpuExpertParallelLayer final : public ExpertParallelLayer {
       gather_all[i] = {sends[i], zeros.data(), recvs[i], recv.data(), ends.data()};
     }
     if (Status s = comm_.all_to_all_v(stream, gather_all, scale_bytes_ > 0 ? 4 : 3); !s.ok()) return s;
-    if (cudaError_t e = record(kDispatched, stream); e != cudaSuccess) return Status::failure(cuda_message("cudaEventRecord", e));
+    if (Status s = mark(kDispatched, stream); !s.ok()) return s;
 
     // the rank's experts on every gathered row: the whole layer's ids mapped to the rank's (-1: another's)
     kernels::LocalizeIdsArgs li;
@@ -485,7 +490,7 @@ class GpuExpertParallelLayer final : public ExpertParallelLayer {
     // [tokens, k] local ids are [rows, rows_top_k] either way
     if (rows > 0)
       if (Status s = run_experts(stream, rows, local_ids_->as<int32_t>()); !s.ok()) return s;
-    if (cudaError_t e = record(kExpertsDone, stream); e != cudaSuccess) return Status::failure(cuda_message("cudaEventRecord", e));
+    if (Status s = mark(kExpertsDone, stream); !s.ok()) return s;
 
     // the rank's partial of every gathered token: its own slots, in slot order, fp32
     kernels::FinalizeArgs f;
@@ -503,7 +508,7 @@ class GpuExpertParallelLayer final : public ExpertParallelLayer {
     if (tokens > 0)
       if (cudaError_t e = kernels::launch_finalize(f, stream); e != cudaSuccess)
         return Status::failure(cuda_message("finalize", e));
-    if (cudaError_t e = record(kCompacted, stream); e != cudaSuccess) return Status::failure(cuda_message("cudaEventRecord", e));
+    if (Status s = mark(kCompacted, stream); !s.ok()) return s;
 
     // the partials' reduce-scatter: rank d's tokens' rows of every rank's partial to d, summed there
     std::vector<int64_t>&send = byte_offsets_[9], &recv = byte_offsets_[10];
@@ -511,7 +516,7 @@ class GpuExpertParallelLayer final : public ExpertParallelLayer {
     for (int s = 0; s <= N_; ++s) recv[size_t(s)] = int64_t(s) * T * 4 * H;
     Communicator::Exchange scatter = {partial_->ptr, send.data(), partials_in_->ptr, recv.data()};
     if (Status s = comm_.all_to_all_v(stream, &scatter, 1); !s.ok()) return s;
-    if (cudaError_t e = record(kCombined, stream); e != cudaSuccess) return Status::failure(cuda_message("cudaEventRecord", e));
+    if (Status s = mark(kCombined, stream); !s.ok()) return s;
     kernels::SumPartialsArgs sp;
     sp.partials = partials_in_->as<float>();
     sp.ranks = N_;
@@ -524,7 +529,7 @@ class GpuExpertParallelLayer final : public ExpertParallelLayer {
     sp.num_experts = int(p.num_experts);
     if (cudaError_t e = kernels::launch_sum_partials(sp, stream); e != cudaSuccess)
       return Status::failure(cuda_message("sum_partials", e));
-    if (cudaError_t e = record(kFinalized, stream); e != cudaSuccess) return Status::failure(cuda_message("cudaEventRecord", e));
+    if (Status s = mark(kFinalized, stream); !s.ok()) return s;
     timed_ = events_ != nullptr;
 
     traffic_.rows_sent = S * N_;
