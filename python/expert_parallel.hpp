@@ -119,45 +119,11 @@ class PyExpertParallelLayer {
                const nb::handle& ids_obj, const nb::handle& weights_obj, const nb::handle& output_obj,
                uintptr_t stream) {
     static const std::string where = "ExpertParallelLayer.forward";
-    const MoeProblem& p = layer_->problem();
-    const bool routed = p.routing.method == RoutingMethod::Precomputed;
     const TensorCheck t{where, true, device_};
-    const int64_t E = p.num_experts, H = p.hidden, k = p.top_k();
-    Overlaps memory;
     ExpertParallelArgs a;
-    const InArray hidden = as_array<InArray>(where, "hidden_states", hidden_obj);
-    a.hidden = t(hidden, "hidden_states", Elem::BF16, {-1, H}, "[T, H]", 16);
-    a.num_tokens = int64_t(hidden.shape(0));
-    const int64_t T = a.num_tokens;
-    check(T <= layer_->max_tokens(), where, ": hidden_states: T = ", T, " exceeds the layer's max_tokens = ",
-          layer_->max_tokens());
-    memory.add(hidden, "hidden_states", false);
-    const std::optional<InArray> logits = as_optional_array<InArray>(where, "router_logits", logits_obj);
-    check(routed != logits.has_value(), where, ": ",
-          routed ? "routing method precomputed takes topk_ids and topk_weights, not router_logits"
-                 : "router_logits is required (routing method " + std::string(to_string(p.routing.method)) + ")");
-    if (logits) {
-      a.router_logits = t(*logits, "router_logits", Elem::F32OrBF16, {T, E}, "[T, E]");
-      a.logits_dtype = matches(logits->dtype(), Elem::F32) ? LogitsDType::F32 : LogitsDType::BF16;
-      memory.add(*logits, "router_logits", false);
-    }
-    if (const std::optional<InArray> bias = as_optional_array<InArray>(where, "routing_bias", bias_obj)) {
-      const void* b = t(*bias, "routing_bias", Elem::F32, {E}, "[E]");
-      if (routing_uses_bias(p.routing.method)) a.routing_bias = static_cast<const float*>(b);
-      memory.add(*bias, "routing_bias", false);
-    }
-    auto routing_tensor = [&](const nb::handle& obj, const char* name, Elem elem) {
-      const Array arr = as_array<Array>(where, name, obj);  // written by the routing, or read when precomputed
-      void* ptr = t(arr, name, elem, {T, k}, "[T, k]");
-      memory.add(arr, name, !routed);
-      return ptr;
-    };
-    a.topk_ids = static_cast<int32_t*>(routing_tensor(ids_obj, "topk_ids", Elem::I32));
-    a.topk_weights = static_cast<float*>(routing_tensor(weights_obj, "topk_weights", Elem::F32));
-    const Array output = as_array<Array>(where, "output", output_obj);
-    a.output = t(output, "output", Elem::F32OrBF16, {T, H}, "[T, H]", 16);
-    a.output_dtype = matches(output.dtype(), Elem::F32) ? OutputDType::F32 : OutputDType::BF16;
-    memory.add(output, "output", true);
+    Overlaps memory;
+    check_forward_tensors(where, layer_->problem(), layer_->max_tokens(), t, memory, hidden_obj, logits_obj, bias_obj,
+                          ids_obj, weights_obj, output_obj, a);
     memory.check(where);
     Status s;
     {

@@ -297,6 +297,60 @@ class LayerRegistry {
   std::unordered_map<int64_t, std::weak_ptr<PreparedLayer>> layers_;
 };
 
+// The tensors of a whole-layer forward, checked (device, dtype, shape, layout, alignment, T <= max_tokens)
+// into `c` (ForwardArgs or ExpertParallelArgs: the same fields) and `memory`: hidden_states, router_logits
+// (every routing method but precomputed), routing_bias (checked wherever given, read by deepseek_v3),
+// topk_ids / topk_weights (read with precomputed routing, written otherwise) and output (bf16, or the
+// float32 sums before the rounding).
+template <typename Args>
+void check_forward_tensors(const std::string& where, const MoeProblem& p, int64_t max_tokens, const TensorCheck& t,
+                           Overlaps& memory, const nb::handle& hidden_obj, const nb::handle& logits_obj,
+                           const nb::handle& bias_obj, const nb::handle& ids_obj, const nb::handle& weights_obj,
+                           const nb::handle& output_obj, Args& c) {
+  const bool routed = p.routing.method == RoutingMethod::Precomputed;
+  const InArray hidden = as_array<InArray>(where, "hidden_states", hidden_obj);
+  const std::optional<InArray> logits = as_optional_array<InArray>(where, "router_logits", logits_obj);
+  const std::optional<InArray> bias = as_optional_array<InArray>(where, "routing_bias", bias_obj);
+  const int64_t E = p.num_experts, H = p.hidden, k = p.top_k();
+  c.hidden = t(hidden, "hidden_states", Elem::BF16, {-1, H}, "[T, H]", 16);
+  const int64_t T = int64_t(hidden.shape(0));
+  check(T <= max_tokens, where, ": hidden_states: T = ", T, " exceeds the layer's max_tokens = ", max_tokens);
+  c.num_tokens = T;
+  check(routed != logits.has_value(), where, ": ",
+        routed ? "routing method precomputed takes topk_ids and topk_weights, not router_logits"
+               : "router_logits is required (routing method " + std::string(to_string(p.routing.method)) + ")");
+  memory.add(hidden, "hidden_states", false);
+  if (logits) {
+    c.router_logits = t(*logits, "router_logits", Elem::F32OrBF16, {T, E}, "[T, E]");
+    c.logits_dtype = matches(logits->dtype(), Elem::F32) ? LogitsDType::F32 : LogitsDType::BF16;
+    memory.add(*logits, "router_logits", false);
+  }
+  // Checked wherever given; read by deepseek_v3 only (routing_uses_bias), ignored by the other methods.
+  if (bias) {
+    const void* b = t(*bias, "routing_bias", Elem::F32, {E}, "[E]");
+    if (routing_uses_bias(p.routing.method)) c.routing_bias = static_cast<const float*>(b);
+    memory.add(*bias, "routing_bias", false);
+  }
+  // Precomputed routing reads topk_ids / topk_weights; the other methods write them.
+  auto routing_tensor = [&](const nb::handle& obj, const char* name, Elem elem) {
+    std::optional<InArray> in;
+    std::optional<Array> out;
+    if (routed) in = as_array<InArray>(where, name, obj);
+    else out = as_array<Array>(where, name, obj);
+    void* ptr = in ? t(*in, name, elem, {T, k}, "[T, k]") : t(*out, name, elem, {T, k}, "[T, k]");
+    if (in) memory.add(*in, name, false);
+    else memory.add(*out, name, true);
+    return ptr;
+  };
+  c.topk_ids = static_cast<int32_t*>(routing_tensor(ids_obj, "topk_ids", Elem::I32));
+  c.topk_weights = static_cast<float*>(routing_tensor(weights_obj, "topk_weights", Elem::F32));
+  // float32: the fp32 sums before the rounding (partial outputs that the caller adds first)
+  const Array output = as_array<Array>(where, "output", output_obj);
+  c.output = t(output, "output", Elem::F32OrBF16, {T, H}, "[T, H]", 16);
+  c.output_dtype = matches(output.dtype(), Elem::F32) ? OutputDType::F32 : OutputDType::BF16;
+  memory.add(output, "output", true);
+}
+
 // The Python class fp4moe._fp4moe.Layer: a PreparedLayer with DLPack tensors in and out.
 class Layer {
  public:
@@ -324,53 +378,11 @@ class Layer {
                const nb::handle& ids_obj, const nb::handle& weights_obj, const nb::handle& output_obj,
                const nb::handle& workspace_obj, uintptr_t stream) {
     static const std::string where = "Layer.forward";
-    const MoeProblem& p = impl_->problem();
-    const bool routed = p.routing.method == RoutingMethod::Precomputed;
     const TensorCheck t{where, impl_->on_cuda(), impl_->device_index()};
-    const InArray hidden = as_array<InArray>(where, "hidden_states", hidden_obj);
-    const std::optional<InArray> logits = as_optional_array<InArray>(where, "router_logits", logits_obj);
-    const std::optional<InArray> bias = as_optional_array<InArray>(where, "routing_bias", bias_obj);
-    const int64_t E = p.num_experts, H = p.hidden, k = p.top_k();
     ForwardArgs c;
-    c.hidden = t(hidden, "hidden_states", Elem::BF16, {-1, H}, "[T, H]", 16);
-    const int64_t T = int64_t(hidden.shape(0));
-    check(T <= impl_->max_tokens(), where, ": hidden_states: T = ", T, " exceeds the layer's max_tokens = ",
-          impl_->max_tokens());
-    c.num_tokens = T;
-    check(routed != logits.has_value(), where, ": ",
-          routed ? "routing method precomputed takes topk_ids and topk_weights, not router_logits"
-                 : "router_logits is required (routing method " + std::string(to_string(p.routing.method)) + ")");
     Overlaps memory;
-    memory.add(hidden, "hidden_states", false);
-    if (logits) {
-      c.router_logits = t(*logits, "router_logits", Elem::F32OrBF16, {T, E}, "[T, E]");
-      c.logits_dtype = matches(logits->dtype(), Elem::F32) ? LogitsDType::F32 : LogitsDType::BF16;
-      memory.add(*logits, "router_logits", false);
-    }
-    // Checked wherever given; read by deepseek_v3 only (routing_uses_bias), ignored by the other methods.
-    if (bias) {
-      const void* b = t(*bias, "routing_bias", Elem::F32, {E}, "[E]");
-      if (routing_uses_bias(p.routing.method)) c.routing_bias = static_cast<const float*>(b);
-      memory.add(*bias, "routing_bias", false);
-    }
-    // Precomputed routing reads topk_ids / topk_weights; the other methods write them.
-    auto routing_tensor = [&](const nb::handle& obj, const char* name, Elem elem) {
-      std::optional<InArray> in;
-      std::optional<Array> out;
-      if (routed) in = as_array<InArray>(where, name, obj);
-      else out = as_array<Array>(where, name, obj);
-      void* ptr = in ? t(*in, name, elem, {T, k}, "[T, k]") : t(*out, name, elem, {T, k}, "[T, k]");
-      if (in) memory.add(*in, name, false);
-      else memory.add(*out, name, true);
-      return ptr;
-    };
-    c.topk_ids = static_cast<int32_t*>(routing_tensor(ids_obj, "topk_ids", Elem::I32));
-    c.topk_weights = static_cast<float*>(routing_tensor(weights_obj, "topk_weights", Elem::F32));
-    // float32: the fp32 sums before the rounding (partial outputs that the caller adds first)
-    const Array output = as_array<Array>(where, "output", output_obj);
-    c.output = t(output, "output", Elem::F32OrBF16, {T, H}, "[T, H]", 16);
-    c.output_dtype = matches(output.dtype(), Elem::F32) ? OutputDType::F32 : OutputDType::BF16;
-    memory.add(output, "output", true);
+    check_forward_tensors(where, impl_->problem(), impl_->max_tokens(), t, memory, hidden_obj, logits_obj, bias_obj,
+                          ids_obj, weights_obj, output_obj, c);
     const std::optional<Array> workspace = as_optional_array<Array>(where, "workspace", workspace_obj);
     if (impl_->on_cuda()) {
       check(workspace.has_value(), where, ": workspace is required on cuda (workspace_size() = ",
