@@ -119,7 +119,7 @@ class GpuExpertParallelLayer final : public ExpertParallelLayer {
         local_(rank_problem(p, rank_, N_)),
         first_expert_(io::expert_range(p.num_experts, rank_, N_).first),
         scheme_(options.scheme) {
-    const ScopedDevice on(device_);  // every buffer below on the layer's GPU
+    const ScopedDevice on(device_, "ExpertParallelLayer::create");  // every buffer below on the layer's GPU
     const int64_t k = p.top_k(), H = p.hidden;
     const StageRowsShape one = runner::stage_rows_shape(p, 1, ScaleLayout::Linear);
     rows_top_k_ = one.rows.rows_top_k;
@@ -185,9 +185,9 @@ class GpuExpertParallelLayer final : public ExpertParallelLayer {
   Status prepare_weights(const ExpertParallelWeights& w, const WeightPrepOptions& options) override {
     std::optional<ScopedDevice> on;
     try {
-      on.emplace(device_);
+      on.emplace(device_, "ExpertParallelLayer::prepare_weights");
     } catch (const Error& e) {
-      return Status::failure(detail::concat("ExpertParallelLayer::prepare_weights: ", e.what()));
+      return Status::failure(e.what());
     }
     const MoeProblem& p = problem_;
     const int64_t E = p.num_experts, H = p.hidden;

@@ -27,9 +27,9 @@ inline cudaDeviceProp require_hopper_device(int& device, const char* who) {
 // the object's GPU whatever device the caller has current.
 class ScopedDevice {
  public:
-  explicit ScopedDevice(int device) {
-    check(cudaGetDevice(&previous_) == cudaSuccess && cudaSetDevice(device) == cudaSuccess, "cudaSetDevice(", device,
-          ") failed");
+  ScopedDevice(int device, const char* who) {
+    check(cudaGetDevice(&previous_) == cudaSuccess && cudaSetDevice(device) == cudaSuccess, who, ": cudaSetDevice(",
+          device, ") failed");
   }
   ~ScopedDevice() { cudaSetDevice(previous_); }
   ScopedDevice(const ScopedDevice&) = delete;

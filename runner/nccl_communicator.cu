@@ -17,6 +17,7 @@
 
 #include "fp4moe/expert_parallel.hpp"
 #include "runner/device_buffer.hpp"
+#include "runner/hopper_device.hpp"
 
 namespace fp4moe {
 namespace {
@@ -80,7 +81,7 @@ class NcclCommunicator final : public Communicator {
     check(api_.count(comm, &size_) == ncclSuccess && api_.user_rank(comm, &rank_) == ncclSuccess &&
               api_.cu_device(comm, &device_) == ncclSuccess,
           "make_nccl_communicator: the NCCL communicator does not answer its size, rank and device");
-    check(cudaSetDevice(device_) == cudaSuccess, "make_nccl_communicator: cudaSetDevice(", device_, ") failed");
+    const ScopedDevice on(device_, "make_nccl_communicator");  // the stream on the communicator's GPU
     throw_on_cuda_error(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "make_nccl_communicator",
                         "cudaStreamCreate");
   }
@@ -196,7 +197,7 @@ std::unique_ptr<Communicator> make_nccl_communicator(const std::string& unique_i
   check(cudaGetDeviceCount(&count) == cudaSuccess && device >= 0 && device < count, "make_nccl_communicator: device ",
         device, " is not one of this machine's ", count, " GPUs");
   std::copy(unique_id.begin(), unique_id.end(), id.internal);
-  check(cudaSetDevice(device) == cudaSuccess, "make_nccl_communicator: cudaSetDevice(", device, ") failed");
+  const ScopedDevice on(device, "make_nccl_communicator");  // ncclCommInitRank binds the current GPU
   ncclComm_t comm = nullptr;
   if (ncclResult_t r = api.init_rank(&comm, size, id, rank); r != ncclSuccess)
     throw Error(detail::concat("make_nccl_communicator: ncclCommInitRank (rank ", rank, " of ", size, ") failed: ",

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "fp4moe/expert_parallel.hpp"
+#include "runner/hopper_device.hpp"
 
 namespace fp4moe {
 namespace {
@@ -188,7 +189,7 @@ std::vector<std::unique_ptr<Communicator>> make_virtual_ranks(int size, int devi
   std::string why;
   check(cuda_device_available(&why), "make_virtual_ranks: ", why);
   if (device < 0) check(cudaGetDevice(&device) == cudaSuccess, "make_virtual_ranks: cudaGetDevice failed");
-  check(cudaSetDevice(device) == cudaSuccess, "make_virtual_ranks: no CUDA device ", device);
+  const ScopedDevice on(device, "make_virtual_ranks");  // the group's events on its GPU
   auto group = std::make_shared<VirtualGroup>(size, device, timeout_seconds);
   std::vector<std::unique_ptr<Communicator>> ranks;
   for (int r = 0; r < size; ++r) ranks.push_back(std::make_unique<VirtualRank>(group, r));
