@@ -632,9 +632,11 @@ void run_ep_rank_steps(EpSteps& run, ExpertParallelLayer& layer, ExpertParallelA
       else if (cudaStreamSynchronize(stream) != cudaSuccess) error = "the forward's stream failed";
     }
     run.sync->arrive_and_wait();  // the step ends when every rank's forward has
-    if (rank == 0) run.step_us[size_t(i)] = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
+    if (rank == 0)
+      run.step_us[size_t(i)] = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
     if (error.empty())
-      if (Status s = layer.last_stage_times(run.stages[size_t(i) * size_t(ranks) + size_t(rank)]); !s.ok()) error = s.message;
+      if (Status s = layer.last_stage_times(run.stages[size_t(i) * size_t(ranks) + size_t(rank)]); !s.ok())
+        error = s.message;
   }
   if (stream) cudaStreamDestroy(stream);
 }
@@ -647,8 +649,8 @@ std::vector<ExpertParallelBenchRow> bench_expert_parallel(const std::string& mod
                                                           bool progress) {
   const int ranks = group.ranks;
   const ExpertParallelScheme scheme = group.scheme;
-  check(ranks >= 1 && ranks <= p.num_experts, "bench --parallel ep_all2all/dp_allgather: --ep-size must be in [1, E = ", p.num_experts,
-        "], got ", ranks);
+  check(ranks >= 1 && ranks <= p.num_experts, "bench --parallel ep_all2all/dp_allgather: --ep-size must be in [1, E = ",
+        p.num_experts, "], got ", ranks);
   check(p.routing.method != RoutingMethod::Precomputed,
         "bench --parallel ep_all2all/dp_allgather: every rank routes random logits, which a precomputed problem cannot");
   check(opt.reps >= 20, "bench: reps must be >= 20, got ", opt.reps);
@@ -666,19 +668,18 @@ std::vector<ExpertParallelBenchRow> bench_expert_parallel(const std::string& mod
                  group.nccl ? "NCCL ranks (one per GPU)" : "virtual ranks");
   io::MoeCase whole = io::make_random_packed_case(p, 0, opt.seed);
   if (opt.expert_biases) io::add_random_expert_biases(whole, opt.seed);
-  std::vector<int> devices(size_t(ranks), -1);  // -1: the current GPU (virtual ranks)
-  if (group.nccl) std::iota(devices.begin(), devices.end(), 0);
-  std::vector<std::unique_ptr<Communicator>> comms = group.nccl ? make_nccl_ranks(devices) : make_virtual_ranks(ranks);
   int current = 0;
   ck(cudaGetDevice(&current), "cudaGetDevice");
-  auto use_device = [&](int r) { ck(cudaSetDevice(devices[r] >= 0 ? devices[r] : current), "cudaSetDevice"); };
+  std::vector<int> devices(size_t(ranks), current);  // rank r's GPU: all the current one, or GPU r with NCCL
+  if (group.nccl) std::iota(devices.begin(), devices.end(), 0);
+  std::vector<std::unique_ptr<Communicator>> comms = group.nccl ? make_nccl_ranks(devices) : make_virtual_ranks(ranks);
   std::vector<std::unique_ptr<ExpertParallelLayer>> layers;
   std::vector<std::unique_ptr<DeviceBuffer>> hidden, logits, bias, ids, wts, out;
   for (int r = 0; r < ranks; ++r) {
     ExpertParallelOptions lo;
     lo.time_stages = true;
     lo.scheme = scheme;
-    use_device(r);
+    ck(cudaSetDevice(devices[r]), "cudaSetDevice");  // the rank's input and output buffers on its GPU
     layers.push_back(ExpertParallelLayer::create(p, max_t, *comms[r], lo, devices[r]));
     const ExpertParallelWeights w = expert_parallel_weights(p, whole.weights(), r, ranks);
     if (Status s = layers.back()->prepare_weights(w); !s.ok()) throw Error(s.message);
@@ -718,15 +719,13 @@ std::vector<ExpertParallelBenchRow> bench_expert_parallel(const std::string& mod
       a.topk_ids = ids[r]->as<int32_t>();
       a.topk_weights = wts[r]->as<float>();
       a.output = out[r]->ptr;
-      threads.emplace_back(run_ep_rank_steps, std::ref(run), std::ref(*layers[r]), a, r, ranks,
-                           devices[r] >= 0 ? devices[r] : current);
+      threads.emplace_back(run_ep_rank_steps, std::ref(run), std::ref(*layers[r]), a, r, ranks, devices[r]);
     }
     for (std::thread& t : threads) t.join();
-    const std::vector<std::string>& errors = run.errors;
-    const std::vector<double>& step_us = run.step_us;
-    for (int r = 0; r < ranks; ++r) check(errors[r].empty(), "bench --parallel ep_all2all/dp_allgather: rank ", r, ": ", errors[r]);
+    for (int r = 0; r < ranks; ++r)
+      check(run.errors[r].empty(), "bench --parallel ep_all2all/dp_allgather: rank ", r, ": ", run.errors[r]);
     if (opt.refcheck) refcheck(p, whole.weights(), in[0], T, ids[0]->ptr, out[0]->ptr);  // rank 0 is the whole layer's
-    std::vector<double> timed(step_us.begin() + opt.warmup, step_us.end());
+    std::vector<double> timed(run.step_us.begin() + opt.warmup, run.step_us.end());
     std::sort(timed.begin(), timed.end());
     ExpertParallelBenchRow row;
     row.model = model;
@@ -762,8 +761,9 @@ std::vector<ExpertParallelBenchRow> bench_expert_parallel(const std::string& mod
     rows.push_back(row);
     if (progress)
       std::fprintf(stderr, "bench %s %s N=%d T=%lld/rank: %.1f us per step (dispatch %.1f, experts %.1f, "
-                   "combine %.1f, exchanges %.1f us)\n", model.c_str(), to_string(scheme), ranks, static_cast<long long>(T), row.median_us,
-                   row.dispatch_us, row.experts_us, row.combine_us, row.exchange_us);
+                   "combine %.1f, exchanges %.1f us)\n", model.c_str(), to_string(scheme), ranks,
+                   static_cast<long long>(T), row.median_us, row.dispatch_us, row.experts_us, row.combine_us,
+                   row.exchange_us);
   }
   return rows;
 }
