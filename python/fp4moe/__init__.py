@@ -242,19 +242,8 @@ class MoeLayer:
         the fp32 sums before the bf16 rounding: partial outputs (tensor / expert parallelism) that are
         added in fp32 and rounded once equal the whole layer's up to fp32 summation order. workspace: see
         forward_into."""
-        if output_dtype not in ("bfloat16", "float32"):
-            raise Error(f"MoeLayer: output_dtype must be 'bfloat16' or 'float32', got {output_dtype!r}")
-        problem = self.problem
-        T = _shape("MoeLayer", "hidden_states", hidden_states, 2)[0]
-        output = _empty(hidden_states, (T, problem.hidden), "bf16" if output_dtype == "bfloat16" else "float32")
-        if problem.routing_method != "precomputed":
-            if topk_ids is not None or topk_weights is not None:
-                raise Error(f"MoeLayer: topk_ids / topk_weights are outputs with routing method "
-                            f"{problem.routing_method}; give router_logits only")
-            topk_ids = _empty(hidden_states, (T, problem.top_k), "int32")
-            topk_weights = _empty(hidden_states, (T, problem.top_k), "float32")
-        elif topk_ids is None or topk_weights is None:
-            raise Error("MoeLayer: routing method precomputed needs topk_ids [T, k] int32 and topk_weights [T, k] float32")
+        output, topk_ids, topk_weights = _forward_outputs("MoeLayer", self.problem, hidden_states, topk_ids,
+                                                          topk_weights, output_dtype)
         self.forward_into(hidden_states, router_logits, routing_bias=routing_bias, topk_ids=topk_ids,
                           topk_weights=topk_weights, output=output, stream=stream, workspace=workspace)
         return output, topk_ids, topk_weights
@@ -414,8 +403,8 @@ class ExpertParallelLayer:
     rank's fp32 partial outputs of the tokens to their ranks, summed there in rank order (the
     data-parallel prepare/finalize; the output up to fp32 summation order). receive_capacity_rows:
     the rows one rank can receive in a forward (0: every rank's max_tokens, so that a rank may receive
-    every row); a forward that would overflow it fails on every rank. A forward waits for the other ranks and reads the send counts back on the host: it
-    is not capturable in a CUDA graph."""
+    every row); a forward that would overflow it fails on every rank. A forward waits for the other
+    ranks and reads the send counts back on the host: it is not capturable in a CUDA graph."""
 
     def __init__(self, problem, weights, communicator, *, device="cuda", max_tokens=8192, receive_capacity_rows=0,
                  w13_up_gate=False, weight_format=None, scheme="all_to_all"):
@@ -474,23 +463,29 @@ class ExpertParallelLayer:
                  stream=None, output_dtype="bfloat16"):
         """This rank's tokens: (output [T, H], topk_ids [T, k], topk_weights [T, k]) as MoeLayer returns
         them, for the whole layer's routing (ids of the whole layer's experts)."""
-        if output_dtype not in ("bfloat16", "float32"):
-            raise Error(f"ExpertParallelLayer: output_dtype must be 'bfloat16' or 'float32', got {output_dtype!r}")
-        problem = self.problem
-        T = _shape("ExpertParallelLayer", "hidden_states", hidden_states, 2)[0]
-        output = _empty(hidden_states, (T, problem.hidden), "bf16" if output_dtype == "bfloat16" else "float32")
-        if problem.routing_method != "precomputed":
-            if topk_ids is not None or topk_weights is not None:
-                raise Error(f"ExpertParallelLayer: topk_ids / topk_weights are outputs with routing method "
-                            f"{problem.routing_method}; give router_logits only")
-            topk_ids = _empty(hidden_states, (T, problem.top_k), "int32")
-            topk_weights = _empty(hidden_states, (T, problem.top_k), "float32")
-        elif topk_ids is None or topk_weights is None:
-            raise Error("ExpertParallelLayer: routing method precomputed needs topk_ids [T, k] int32 and "
-                        "topk_weights [T, k] float32")
+        output, topk_ids, topk_weights = _forward_outputs("ExpertParallelLayer", self.problem, hidden_states,
+                                                          topk_ids, topk_weights, output_dtype)
         handle = _stream_handle(stream, hidden_states, self._device_index)
         self._impl.forward(hidden_states, router_logits, routing_bias, topk_ids, topk_weights, output, handle)
         return output, topk_ids, topk_weights
+
+
+def _forward_outputs(where, problem, hidden_states, topk_ids, topk_weights, output_dtype):
+    """(output, topk_ids, topk_weights) of a layer call, allocated like hidden_states: the output [T, H] in
+    output_dtype, and the routing's [T, k] outputs (precomputed routing: the caller's, required)."""
+    if output_dtype not in ("bfloat16", "float32"):
+        raise Error(f"{where}: output_dtype must be 'bfloat16' or 'float32', got {output_dtype!r}")
+    T = _shape(where, "hidden_states", hidden_states, 2)[0]
+    output = _empty(hidden_states, (T, problem.hidden), "bf16" if output_dtype == "bfloat16" else "float32")
+    if problem.routing_method != "precomputed":
+        if topk_ids is not None or topk_weights is not None:
+            raise Error(f"{where}: topk_ids / topk_weights are outputs with routing method "
+                        f"{problem.routing_method}; give router_logits only")
+        topk_ids = _empty(hidden_states, (T, problem.top_k), "int32")
+        topk_weights = _empty(hidden_states, (T, problem.top_k), "float32")
+    elif topk_ids is None or topk_weights is None:
+        raise Error(f"{where}: routing method precomputed needs topk_ids [T, k] int32 and topk_weights [T, k] float32")
+    return output, topk_ids, topk_weights
 
 
 def _index(where, name, value):
